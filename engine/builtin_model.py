@@ -1,0 +1,120 @@
+"""A small deterministic random-weight Llama with a byte-level tokenizer, built on first use.
+
+Its text is noise: it exists so the main job and the tests run on a fresh machine without
+downloading anything. Point `model_path` at a real HF checkpoint folder for real text."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+BUILTIN_VERSION = "v1"
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BUILTIN_ARCH = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
+
+
+def cache_dir() -> str:
+    root = os.environ.get("RADIXRAY_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "radixray")
+    return root
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return tok
+
+
+def random_llama_weights(config: dict, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
+    """Deterministic random weights in HF naming for a Llama/Qwen2/Qwen3 config dict."""
+    g = torch.Generator().manual_seed(seed)
+    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hd = config.get("head_dim") or h // config["num_attention_heads"]
+    qd, kvd = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    w = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": norm(h)}
+    if not config.get("tie_word_embeddings", False):
+        w["lm_head.weight"] = rnd(v, h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+              p + "self_attn.q_proj.weight": rnd(qd, h), p + "self_attn.k_proj.weight": rnd(kvd, h),
+              p + "self_attn.v_proj.weight": rnd(kvd, h), p + "self_attn.o_proj.weight": rnd(h, qd),
+              p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+              p + "mlp.down_proj.weight": rnd(h, inter)}
+        if config.get("model_type") == "qwen2" or config.get("attention_bias"):
+            w |= {p + "self_attn.q_proj.bias": rnd(qd), p + "self_attn.k_proj.bias": rnd(kvd),
+                  p + "self_attn.v_proj.bias": rnd(kvd)}
+        if config.get("model_type") == "qwen3":
+            w |= {p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)}
+    return w
+
+
+def write_checkpoint(out_dir: str, config: dict, weights: dict[str, torch.Tensor],
+                     tokenizer: Tokenizer | None = None, chat_template: str | None = CHAT_TEMPLATE) -> str:
+    """Write an HF-layout folder (config.json, model.safetensors, tokenizer files)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    save_file({k: t.contiguous() for k, t in weights.items()}, os.path.join(out_dir, "model.safetensors"))
+    tok = tokenizer or byte_level_tokenizer()
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    tok_cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config["max_position_embeddings"]}
+    if chat_template:
+        tok_cfg["chat_template"] = chat_template
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tok_cfg, f, indent=1)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": [2, 4]}, f)
+    return out_dir
+
+
+def llama_config(**overrides) -> dict:
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 261,
+           "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+           "torch_dtype": "float32", **BUILTIN_ARCH}
+    cfg.update(overrides)
+    return cfg
+
+
+def builtin_model_path() -> str:
+    """Build once (atomically, so concurrent engines agree) and return the folder."""
+    final = os.path.join(cache_dir(), f"builtin-llama-{BUILTIN_VERSION}")
+    if os.path.isfile(os.path.join(final, "model.safetensors")):
+        return final
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="builtin-", dir=cache_dir())
+    tok = byte_level_tokenizer()
+    cfg = llama_config(vocab_size=tok.get_vocab_size())
+    write_checkpoint(tmp, cfg, random_llama_weights(cfg, seed=0), tok)
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process won the race; theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

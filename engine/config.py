@@ -1,0 +1,160 @@
+"""Frozen configuration structs of the engine: what the user sets and what the checkpoint says."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import msgspec
+
+from engine.errors import ConfigError
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything one engine is built from. Field names double as CLI flags and YAML keys."""
+
+    model_path: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_total_tokens: int | None = None  # KV slots; None: from mem_fraction_static on CUDA, 65536 on CPU
+    mem_fraction_static: float = 0.8
+    max_running_requests: int | None = None
+    max_context_len: int | None = None  # defaults to the model's max_position_embeddings
+    chunked_prefill_size: int | None = None  # None: no chunking beyond max_prefill_tokens
+    max_prefill_tokens: int | None = None  # None: 16384
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    enable_mixed_chunk: bool = False
+    enable_overlap: bool = False
+    attention_backend: str = "torch"
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+    seed: int = 0
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.schedule_policy in SCHEDULE_POLICIES,
+             f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        need(self.attention_backend in ATTENTION_BACKENDS,
+             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
+                     "max_prefill_tokens", "max_context_len", "torch_threads"):
+            v = getattr(self, name)
+            need(v is None or v >= 1, f"{name} must be >= 1, got {v}")
+        need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static must be in (0, 1)")
+        need(0.0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0,
+             "need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, naming every unknown field in a ConfigError."""
+        known = set(cls.__struct_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine config field(s): {', '.join(unknown)}")
+        try:
+            return msgspec.convert(kwargs, cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"invalid engine config: {e}") from None
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return EngineConfig.from_kwargs(**{**msgspec.structs.asdict(self), **changes})
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The parts of an HF `config.json` a Llama-family model needs."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+    hidden_act: str
+    torch_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> ModelConfig:
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"no config.json in model folder {model_dir!r}")
+        with open(path) as f:
+            hf = json.load(f)
+        return cls.from_hf(hf, _read_generation_eos(model_dir))
+
+    @classmethod
+    def from_hf(cls, hf: dict, generation_eos: tuple[int, ...] = ()) -> ModelConfig:
+        arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        model_type = hf.get("model_type", "llama")
+        supported = ("llama", "mistral", "qwen2", "qwen3")
+        if model_type not in supported:
+            raise ConfigError(f"model_type {model_type!r} is not supported (supported: {supported})")
+        rope = hf.get("rope_parameters") or {}
+        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) not in ("default", "linear", "llama3"):
+            raise ConfigError(f"rope scaling {rope_scaling!r} is not supported")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported (only silu)")
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            hidden_act=act,
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(eos_ids + generation_eos)),
+        )
+
+
+def _read_generation_eos(model_dir: str) -> tuple[int, ...]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)

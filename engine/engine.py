@@ -1,0 +1,347 @@
+"""Engine: one device's serving engine (scheduler + radix cache + KV pool + model runner).
+
+Thread model: `submit` and `abort` may be called from any thread (they go through an inbox);
+`step` runs on one thread at a time. `generate`/`stream` drive `step` themselves unless a
+background loop (`start_loop`) owns it, as in the Ray actor."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import torch
+
+from engine.builtin_model import builtin_model_path
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.model_runner import ModelRunner
+from engine.req import Req
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+class StreamDelta(msgspec.Struct):
+    """What one step added to one request; the last one has finish_reason set."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class GenerateOutput(msgspec.Struct):
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class _Tracker:
+    """Per-request output state, kept outside the scheduler."""
+
+    __slots__ = ("req", "detok", "sent_tokens", "sink")
+
+    def __init__(self, req: Req, detok: IncrementalDetokenizer, sink: Callable[[StreamDelta], None]) -> None:
+        self.req, self.detok, self.sent_tokens, self.sink = req, detok, 0, sink
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        if config is not None and kwargs:
+            self.config = config.replace(**kwargs)
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        self.model_path = self.config.model_path or builtin_model_path()
+        self.tokenizer = Tokenizer(self.model_path)
+        self.model_runner = ModelRunner(self.config, self.model_path)
+        self.model_config = self.model_runner.model_config
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(self.config, self.model_runner, frozenset(eos), self.tokenizer.decode)
+        self._rng = random.Random(self.config.seed)
+        self._rid_counter = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._trackers: dict[str, _Tracker] = {}
+        self._step_lock = threading.Lock()
+        self._loop_thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self.dead: BaseException | None = None
+
+    # ---- validation and submission --------------------------------------------------------
+    def tokenize(self, prompt: str | None = None, input_ids: list[int] | None = None,
+                 messages: list[dict] | None = None) -> list[int]:
+        given = [x is not None for x in (prompt, input_ids, messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of prompt, input_ids or messages", "prompt")
+        if messages is not None:
+            if not isinstance(messages, list) or not messages:
+                raise InvalidRequestError("messages must be a non-empty list", "messages")
+            ids = self.tokenizer.encode_chat(messages)
+        elif prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("prompt must be a non-empty string", "prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = input_ids
+        self.validate_input_ids(ids)
+        return list(ids)
+
+    def validate_input_ids(self, ids: Any) -> None:
+        vocab = self.model_config.vocab_size
+        if not isinstance(ids, list | tuple) or not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", "prompt")
+
+    def validate_length(self, num_input: int, params: SamplingParams) -> None:
+        limit = min(self.model_runner.max_context_len, self.model_runner.max_total_tokens - 1)
+        if num_input + params.max_new_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({num_input} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
+                f"context limit of {limit} tokens", "max_tokens")
+
+    def _as_params(self, sp: Any) -> SamplingParams:
+        if sp is None:
+            return SamplingParams()
+        if isinstance(sp, SamplingParams):
+            return sp
+        if isinstance(sp, dict):
+            try:
+                return msgspec.convert(sp, SamplingParams)
+            except msgspec.ValidationError as e:
+                raise InvalidRequestError(f"invalid sampling parameters: {e}") from None
+        raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
+
+    def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict | None,
+               sink: Callable[[StreamDelta], None], rid: str | None = None) -> str:
+        """Validate and queue one request; its deltas go to `sink` (called on the step thread)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead}")
+        params = self._as_params(sampling_params)
+        self.validate_input_ids(input_ids)
+        self.validate_length(len(input_ids), params)
+        rid = rid or uuid.uuid4().hex
+        gen = None
+        if not params.is_greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
+        req = Req(rid, list(input_ids), params, gen)
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+        self._inbox.put(("add", _Tracker(req, detok, sink)))
+        self._wake.set()
+        return rid
+
+    def abort(self, rid: str, message: str = "aborted by client") -> None:
+        self._inbox.put(("abort", (rid, message)))
+        self._wake.set()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                if item.req.rid in self._trackers:
+                    item.sink(self._error_delta(item.req, f"duplicate request id {item.req.rid!r}"))
+                    continue
+                self._trackers[item.req.rid] = item
+                self.scheduler.add_request(item.req)
+            else:
+                self.scheduler.abort_request(*item)
+
+    def step(self) -> bool:
+        """One scheduler step plus output delivery. Returns whether any work remains."""
+        with self._step_lock:
+            self._drain_inbox()
+            touched = self.scheduler.step()
+            for req in touched:
+                self._emit(req)
+            return self.scheduler.has_work()
+
+    def _emit(self, req: Req) -> None:
+        tr = self._trackers.get(req.rid)
+        if tr is None:
+            return
+        new = req.output_ids[tr.sent_tokens:]
+        finished = req.finished()
+        logprobs = None
+        if req.sampling_params.logprobs:
+            logprobs = [TokenLogprob(t, lp[0], lp[1])
+                        for t, lp in zip(new, req.output_logprobs[tr.sent_tokens:])]
+        tr.sent_tokens = len(req.output_ids)
+        text = tr.detok.step(new, finished)
+        if not (new or finished):
+            return
+        delta = StreamDelta(
+            rid=req.rid, text=text, token_ids=new,
+            finish_reason=req.finished_reason.kind if finished else None,
+            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens, logprobs=logprobs,
+            error=req.finished_reason.message if finished and req.finished_reason.kind == "abort" else None)
+        if finished:
+            del self._trackers[req.rid]
+        tr.sink(delta)
+
+    def _error_delta(self, req: Req, message: str) -> StreamDelta:
+        return StreamDelta(rid=req.rid, text="", token_ids=[], finish_reason="abort",
+                           prompt_tokens=len(req.origin_input_ids), error=message)
+
+    def start_loop(self) -> None:
+        """Run steps on a background thread; it sleeps (no spinning) when there is no work."""
+        if self._loop_thread is not None:
+            return
+        self._loop_thread = threading.Thread(target=self._loop, name="radixray-engine", daemon=True)
+        self._loop_thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.step():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as e:  # a bug: fail every pending request loudly, never hang them
+            self.dead = e
+            for tr in list(self._trackers.values()):
+                tr.sink(self._error_delta(tr.req, f"engine failed: {type(e).__name__}: {e}"))
+            self._trackers.clear()
+            raise
+
+    # ---- convenience API ----------------------------------------------------------------------
+    def _requests(self, prompt, input_ids, messages, sampling_params) -> tuple[list[list[int]], list, bool]:
+        if isinstance(prompt, list):
+            prompts = [self.tokenize(prompt=p) for p in prompt]
+            single = False
+        elif input_ids is not None and input_ids and isinstance(input_ids[0], list | tuple):
+            prompts = [self.tokenize(input_ids=list(x)) for x in input_ids]
+            single = False
+        else:
+            prompts = [self.tokenize(prompt=prompt, input_ids=input_ids, messages=messages)]
+            single = True
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("sampling_params list must match the number of prompts")
+        params = [self._as_params(p) for p in params]
+        for ids, p in zip(prompts, params):
+            self.validate_length(len(ids), p)
+        return prompts, params, single
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 messages: list[dict] | None = None) -> GenerateOutput | list[GenerateOutput]:
+        prompts, params, single = self._requests(prompt, input_ids, messages, sampling_params)
+        results: dict[str, list[StreamDelta]] = {}
+        done = queue.SimpleQueue()
+
+        def sink(delta: StreamDelta) -> None:
+            results[delta.rid].append(delta)
+            if delta.finish_reason is not None:
+                done.put(delta.rid)
+
+        rids = []
+        for ids, p in zip(prompts, params):
+            rid = f"{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
+            results[rid] = []
+            rids.append(self.submit(ids, p, sink, rid=rid))
+        self._wait(done, len(rids))
+        outs = [_collect(rid, results[rid]) for rid in rids]
+        return outs[0] if single else outs
+
+    def stream(self, prompt: str | None = None, sampling_params: Any = None,
+               input_ids: list[int] | None = None, messages: list[dict] | None = None) -> Iterator[StreamDelta]:
+        prompts, params, _ = self._requests(prompt, input_ids, messages, sampling_params)
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        rid = self.submit(prompts[0], params[0], q.put)
+        finished = False
+        try:
+            while True:
+                if self._loop_thread is None:
+                    while q.empty():
+                        self.step()
+                delta = q.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the consumer went away: free its KV
+                self.abort(rid)
+                if self._loop_thread is None:
+                    self.step()
+
+    def _wait(self, done: queue.SimpleQueue, n: int) -> None:
+        finished = 0
+        while finished < n:
+            if self._loop_thread is None:
+                self.step()
+            else:
+                done.get()
+                finished += 1
+                continue
+            while not done.empty():
+                done.get()
+                finished += 1
+
+    def check_memory(self) -> None:
+        """Raise MemoryInvariantError unless the idle invariant holds (call when no work is left)."""
+        with self._step_lock:
+            self.scheduler.check_memory()
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "waiting": len(s.waiting_queue) + (1 if s.chunked_req else 0),
+            "running": len(s.running_batch.reqs),
+            "kv_used": s.allocator.size - s.allocator.available_size() - s.tree_cache.evictable_size(),
+            "kv_total": s.allocator.size,
+            "kv_cached": s.tree_cache.evictable_size() + s.tree_cache.protected_size(),
+            "cached_tokens": s.cached_tokens,
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "num_retracted": s.num_retracted,
+            "batches_by_mode": dict(s.batches_by_mode),
+        }
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._loop_thread is not None:
+            self._loop_thread.join(timeout=5)
+            self._loop_thread = None
+
+
+def _collect(rid: str, deltas: list[StreamDelta]) -> GenerateOutput:
+    last = deltas[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+    return GenerateOutput(
+        rid=rid, text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
+        finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
+        cached_tokens=last.cached_tokens, logprobs=logprobs, error=last.error)

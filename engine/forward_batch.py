@@ -1,0 +1,130 @@
+"""ForwardMode and ForwardBatch: the pure tensor view of one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.schedule_batch import ScheduleBatch
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill; the cached prefix is skipped
+    DECODE = auto()  # one token per sequence
+    MIXED = auto()  # chunked prefill and decode in one batch
+    IDLE = auto()  # no sequences: an attention-DP rank joins the collectives with zero tokens
+    TARGET_VERIFY = auto()  # speculative decoding: the target model checks draft tokens
+    DRAFT_EXTEND_V2 = auto()  # speculative decoding: the draft model extends
+    PREBUILT = auto()  # disaggregated decode side: the KV arrived already
+    SPLIT_PREFILL = auto()  # layer-split prefill for prefill/decode multiplexing
+    DLLM_EXTEND = auto()  # diffusion-LLM block extend
+
+    def is_extend(self) -> bool:
+        """Every mode whose attention is the extend kind (new tokens over a cached prefix)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND_V2,
+                        ForwardMode.TARGET_VERIFY, ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend_v2(self) -> bool:
+        return self == ForwardMode.DRAFT_EXTEND_V2
+
+    def is_prebuilt(self) -> bool:
+        return self == ForwardMode.PREBUILT
+
+    def is_split_prefill(self) -> bool:
+        return self == ForwardMode.SPLIT_PREFILL
+
+    def is_dllm_extend(self) -> bool:
+        return self == ForwardMode.DLLM_EXTEND
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+    def is_supported(self) -> bool:
+        return self in SUPPORTED_MODES
+
+
+SUPPORTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE})
+
+
+def require_supported(mode: ForwardMode) -> None:
+    if mode not in SUPPORTED_MODES:
+        raise NotImplementedError(f"ForwardMode.{mode.name} is not implemented in radixray yet")
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    # === Borrowed from ScheduleBatch (device tensors; under overlap they must stay alive
+    # until the forward that reads them has finished) ===
+    input_ids: torch.Tensor  # [num_tokens]
+    seq_lens: torch.Tensor  # [bs] tokens with KV after this forward, prefix included
+    out_cache_loc: torch.Tensor  # [num_tokens] KV slot written by each token
+    req_pool_indices: torch.Tensor  # [bs] rows of req_to_token
+    # === Built here ===
+    positions: torch.Tensor  # [num_tokens]
+    extend_seq_lens: torch.Tensor | None = None  # [bs] new tokens per request (extend modes)
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_start_loc: torch.Tensor | None = None  # [bs] offset of each request's first new token
+    # CPU copies, so attention metadata needs no device sync.
+    seq_lens_cpu: list[int] | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+    # Index of each request's last token in the flat token dim: where logits are taken.
+    last_token_indices: torch.Tensor | None = None
+    # Attention-DP: every rank's token count this step (agreed in-band); None when alone.
+    global_num_tokens: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def init_new(cls, batch: ScheduleBatch, device: torch.device) -> ForwardBatch:
+        mode = batch.forward_mode
+        require_supported(mode)
+        fb = cls(
+            forward_mode=mode,
+            batch_size=len(batch.reqs),
+            input_ids=batch.input_ids,
+            seq_lens=batch.seq_lens,
+            out_cache_loc=batch.out_cache_loc,
+            req_pool_indices=batch.req_pool_indices,
+            positions=torch.empty(0, dtype=torch.int64, device=device),
+            seq_lens_cpu=batch.seq_lens_cpu,
+        )
+        if mode.is_idle():
+            fb.last_token_indices = fb.positions
+        elif mode.is_decode():
+            fb.positions = (batch.seq_lens - 1).to(torch.int64)
+            fb.last_token_indices = torch.arange(fb.batch_size, device=device)
+        else:
+            prefix, ext = batch.prefix_lens, batch.extend_lens
+            starts, acc = [], 0
+            for n in ext:
+                starts.append(acc)
+                acc += n
+            positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, ext)])
+            fb.positions = positions.to(device, non_blocking=True)
+            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = ext, prefix
+            fb.extend_seq_lens = torch.tensor(ext, device=device)
+            fb.extend_prefix_lens = torch.tensor(prefix, device=device)
+            fb.extend_start_loc = torch.tensor(starts, device=device)
+            fb.last_token_indices = torch.tensor([s + n - 1 for s, n in zip(starts, ext)], device=device)
+        return fb

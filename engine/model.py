@@ -1,0 +1,165 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a ForwardBatch.
+
+Numerics follow transformers' implementation (RMSNorm in float32, rotate-half RoPE with the
+same inverse-frequency formula) so greedy tokens match it exactly in float32."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.forward_batch import ForwardBatch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / hi) & ~(wavelen > old_ctx / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Weights as plain tensors (no nn.Module): fused qkv and gate_up projections."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1)) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        # Attention-DP hook: set by the DP layer to gather/scatter hidden states around the MLP.
+        self.mlp_comm = None
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ConfigError(f"checkpoint is missing weight {name!r}")
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = w("lm_head.weight")
+        rank, world = mlp_shard
+        inter = cfg.intermediate_size
+        if inter % world:
+            raise ConfigError(f"intermediate_size {inter} is not divisible by the DP group size {world}")
+        lo, hi = rank * inter // world, (rank + 1) * inter // world
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "input_norm": w(p + "input_layernorm.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                "qkv": torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
+                "o": w(p + "self_attn.o_proj.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight")[lo:hi], w(p + "mlp.up_proj.weight")[lo:hi]]),
+                "down": w(p + "mlp.down_proj.weight")[:, lo:hi].contiguous(),
+            }
+            if cfg.attention_bias:
+                layer["qkv_bias"] = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            if cfg.qk_norm:
+                layer["q_norm"] = w(p + "self_attn.q_norm.weight")
+                layer["k_norm"] = w(p + "self_attn.k_norm.weight")
+            self.layers.append(layer)
+        inv_freq = rope_inv_freq(cfg)
+        freqs = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def num_parameters(self) -> int:
+        n = self.embed.numel() + self.norm.numel()
+        n += 0 if self.lm_head is self.embed else self.lm_head.numel()
+        return n + sum(t.numel() for layer in self.layers for t in layer.values())
+
+    def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
+        """Hidden states of the tokens at fb.last_token_indices -> logits [bs, vocab]."""
+        cfg = self.cfg
+        h = F.embedding(fb.input_ids, self.embed)
+        cos = self.cos[fb.positions].unsqueeze(1)
+        sin = self.sin[fb.positions].unsqueeze(1)
+        T, hd = h.shape[0], cfg.head_dim
+        residual = h
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(residual, layer["input_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, -1, hd)
+            k = k.view(T, -1, hd)
+            v = v.view(T, -1, hd)
+            if cfg.qk_norm:
+                q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            o = attn.forward(q, k, v.contiguous(), i, fb)
+            residual = residual + F.linear(o.reshape(T, -1), layer["o"])
+            x = rms_norm(residual, layer["post_norm"], cfg.rms_norm_eps)
+            residual = residual + self._mlp(x, layer)
+        h = residual[fb.last_token_indices]
+        h = rms_norm(h, self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head)
+
+    def _mlp(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
+        if self.mlp_comm is not None:
+            x = self.mlp_comm.gather(x)
+        gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+        out = F.linear(F.silu(gate) * up, layer["down"])
+        if self.mlp_comm is not None:
+            out = self.mlp_comm.reduce_scatter(out)
+        return out
+
+
+def load_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a single or sharded safetensors checkpoint, on the CPU."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        paths = [os.path.join(model_dir, name) for name in files]
+    else:
+        paths = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not paths:
+        raise ConfigError(f"no *.safetensors weights in {model_dir!r}")
+    weights: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name)
+    return weights

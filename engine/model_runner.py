@@ -1,0 +1,75 @@
+"""ModelRunner: owns the weights, the KV memory and the attention backend; runs ForwardBatches."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import create_attention_backend
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import ConfigError
+from engine.forward_batch import ForwardBatch
+from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from engine.model import LlamaModel, load_weights
+from engine.sampling import SampleResult, sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_BUDGET_BYTES = 256 << 20  # default KV pool on CPU when max_total_tokens is not set
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU bf16 matmuls are slow and lose parity
+    return _DTYPES.get(model_cfg.torch_dtype.replace("torch.", ""), torch.bfloat16)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str, mlp_shard: tuple[int, int] = (0, 1)) -> None:
+        self.config = config
+        self.model_config = cfg = ModelConfig.from_dir(model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, cfg, self.device)
+        self.max_context_len = min(config.max_context_len or cfg.max_position_embeddings,
+                                   cfg.max_position_embeddings)
+        self.model = LlamaModel(cfg, load_weights(model_dir), self.dtype, self.device,
+                                self.max_context_len, mlp_shard)
+        per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                            cfg.head_dim, self.dtype)
+        self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)
+        max_running = config.max_running_requests or min(256, max(8, self.max_total_tokens // 32))
+        self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
+        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
+        self.kv_cache = KVCache(self.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                cfg.head_dim, self.dtype, self.device)
+        self.attn_backend = create_attention_backend(config.attention_backend, self.req_to_token_pool,
+                                                     self.kv_cache, self.model.scale, self.device)
+
+    def _default_pool_size(self, per_token: int) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.mem_fraction_static)
+        else:
+            budget = CPU_KV_BUDGET_BYTES
+        cap = 1 << 20 if self.device.type == "cuda" else 1 << 16
+        return max(self.max_context_len, min(budget // per_token, cap))
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """Logits [bs, vocab] at each request's last token; None for an IDLE batch."""
+        self.attn_backend.init_forward_metadata(fb)
+        logits = self.model.forward(fb, self.attn_backend)
+        return None if fb.forward_mode.is_idle() else logits
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list) -> SampleResult:
+        return sample(logits, reqs)

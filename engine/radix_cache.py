@@ -1,0 +1,251 @@
+"""Radix prefix cache over token ids whose nodes own KV slots, and its no-cache twin.
+
+Accounting: every slot the tree holds is either evictable (its node has lock_ref 0) or
+protected (some running request locked the node or a descendant). With no request running,
+`allocator.available + evictable + protected == total` must hold: see Scheduler.check_memory.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+
+if TYPE_CHECKING:
+    from engine.req import Req
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
+        self.children: dict[int, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value  # int64 KV slots, one per token of key
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __lt__(self, other: TreeNode) -> bool:  # heap order for LRU eviction
+        return self.last_access < other.last_access
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class RadixCache:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.device = allocator.device
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        # Observers of what the tree holds (cache-aware routing); called with token-id lists.
+        self.on_insert: list = []
+        self.on_evict: list = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.root = TreeNode([], self._empty, None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self._evictable = 0
+        self._protected = 0
+        self._clock = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of `key`: its KV slots and the node where it ends.
+
+        A node is split when the match ends inside it, so the returned node's path is exactly
+        the match. Callers pass at most len(fill_ids) - 1 tokens so one is always computed."""
+        node, values, now = self.root, [], self._tick()
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                break
+            child.last_access = now
+            n = _common_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            values.append(child.value)
+            node, key = child, key[n:]
+        return (torch.cat(values) if values else self._empty), node
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        head = TreeNode(child.key[:n], child.value[:n], child.parent)
+        head.lock_ref, head.last_access = child.lock_ref, child.last_access
+        head.children[child.key[n]] = child
+        child.parent.children[child.key[0]] = head
+        child.parent, child.key, child.value = head, child.key[n:], child.value[n:]
+        return head
+
+    # ---- updates -------------------------------------------------------------------------
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert key -> value; returns how many leading tokens the tree already had."""
+        node, now, matched, full_key = self.root, self._tick(), 0, key
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                leaf = TreeNode(list(key), value[matched:].clone(), node)
+                leaf.last_access = now
+                node.children[key[0]] = leaf
+                self._evictable += len(key)
+                for cb in self.on_insert:
+                    cb(full_key)
+                break
+            child.last_access = now
+            n = _common_len(child.key, key)
+            if n < len(child.key):
+                child = self._split(child, n)
+            matched += n
+            node, key = child, key[n:]
+        return matched
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 1:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            if node.lock_ref <= 0:
+                raise RuntimeError("radix cache lock_ref would go negative")
+            node.lock_ref -= 1
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` slots from unlocked leaves, least recently used first."""
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        evicted = 0
+        while heap and evicted < num_tokens:
+            leaf = heapq.heappop(heap)
+            if self.on_evict:
+                path = self._path(leaf)
+                for cb in self.on_evict:
+                    cb(path)
+            self.allocator.free(leaf.value)
+            evicted += len(leaf.key)
+            self._evictable -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return evicted
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.root:
+                yield node
+
+    def _path(self, node: TreeNode) -> list[int]:
+        parts = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
+    def total_tokens(self) -> int:
+        return sum(len(n.key) for n in self._nodes())
+
+    # ---- request hooks -------------------------------------------------------------------
+    def _insert_req(self, req: Req) -> torch.Tensor:
+        """Put the request's computed KV into the tree; free its slots the tree already had."""
+        kv_len = req.kv_len
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len].to(torch.int64)
+        have = self.insert(req.fill_ids[:kv_len], slots)
+        if have > req.cache_protected_len:
+            self.allocator.free(slots[req.cache_protected_len:have])
+        return slots
+
+    def cache_finished_req(self, req: Req) -> None:
+        self._insert_req(req)
+        self.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.release_kv_state()
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        """After a prefill chunk: cache what is computed and re-lock the request on it."""
+        self._insert_req(req)
+        new_indices, new_node = self.match_prefix(req.fill_ids[:req.kv_len])
+        start = req.cache_protected_len
+        self.req_to_token_pool.write(req.req_pool_idx, start, new_indices[start:])
+        self.inc_lock_ref(new_node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices, req.last_node, req.cache_protected_len = new_indices, new_node, len(new_indices)
+
+
+class NoRadixCache:
+    """`disable_radix_cache=True`: same interface, nothing shared, every slot freed at finish."""
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)
+        self.root = None
+        self.on_insert: list = []
+        self.on_evict: list = []
+
+    def reset(self) -> None:
+        pass
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, None]:
+        return self._empty, None
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        return 0
+
+    def inc_lock_ref(self, node: None) -> None:
+        pass
+
+    def dec_lock_ref(self, node: None) -> None:
+        pass
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_tokens(self) -> int:
+        return 0
+
+    def cache_finished_req(self, req: Req) -> None:
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len]
+        self.allocator.free(row.to(torch.int64))
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.release_kv_state()
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        # The request keeps its own slots as its "prefix" for the next chunk.
+        req.prefix_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len].to(torch.int64)
+        req.cache_protected_len = 0

@@ -1,0 +1,93 @@
+"""Req: one request's Python view inside the scheduler."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class FinishReason:
+    __slots__ = ("kind", "matched", "message")
+
+    def __init__(self, kind: str, matched: int | str | None = None, message: str | None = None) -> None:
+        self.kind = kind  # "stop" | "length" | "abort"
+        self.matched = matched  # the EOS/stop token id or stop string that ended it
+        self.message = message  # why an abort happened
+
+    def __repr__(self) -> str:
+        return f"FinishReason({self.kind!r}, {self.matched!r})"
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class Req:
+    def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
+                 generator: torch.Generator | None = None) -> None:
+        self.rid = rid
+        self.origin_input_ids = origin_input_ids
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.generator = generator  # per-request RNG: same seed, same tokens, whatever the batch
+        # Prefix-match state: KV slots already present for this request, and the radix node
+        # that holds the tree's part of them locked (`cache_protected_len` tokens).
+        self.prefix_indices: torch.Tensor = _EMPTY
+        self.last_node = None
+        self.cache_protected_len = 0
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0  # tokens whose KV is (or, once the running forward ends, will be) stored
+        self.extend_input_len = 0  # tokens computed by the current extend
+        self.cached_tokens = 0  # prompt tokens served from the radix cache (first admission)
+        self.finished_reason: FinishReason | None = None
+        self.to_abort: str | None = None
+        self.output_logprobs: list = []
+        self.num_retractions = 0
+        self.stop_str_max_len = max((len(s) for s in sampling_params.stop), default=0)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def init_next_round_input(self, tree_cache) -> None:
+        """Match the radix cache, leaving at least one token to compute (its logits are needed)."""
+        fill = self.fill_ids
+        self.prefix_indices, self.last_node = tree_cache.match_prefix(fill[:len(fill) - 1])
+        self.extend_input_len = len(fill) - len(self.prefix_indices)
+
+    def release_kv_state(self) -> None:
+        self.req_pool_idx = None
+        self.kv_len = 0
+        self.prefix_indices = _EMPTY
+        self.last_node = None
+        self.cache_protected_len = 0
+
+    def check_finished(self, eos_ids: frozenset[int], max_context_len: int, decode_tail=None) -> None:
+        """Set finished_reason after a token was appended. `decode_tail(ids) -> str` for stop strings."""
+        if self.finished_reason is not None:
+            return
+        sp = self.sampling_params
+        last = self.output_ids[-1]
+        if last in sp.stop_token_ids or (not sp.ignore_eos and last in eos_ids):
+            self.finished_reason = FinishReason("stop", last)
+        elif self.stop_str_max_len and decode_tail is not None:
+            # Enough tokens to cover the longest stop string (a token is at least one char,
+            # except byte-fallback pieces: +8 covers a split multi-byte character).
+            tail = decode_tail(self.output_ids[-(self.stop_str_max_len + 8):])
+            for s in sp.stop:
+                if s in tail:
+                    self.finished_reason = FinishReason("stop", s)
+                    return
+        if self.finished_reason is None and (
+                len(self.output_ids) >= sp.max_new_tokens or self.seqlen >= max_context_len):
+            self.finished_reason = FinishReason("length")
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

@@ -1,0 +1,144 @@
+"""Sampling parameters (validated on construction) and the batched sampler."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from engine.errors import InvalidRequestError
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Direct construction skips msgspec's type checks: normalise and re-check here.
+        if isinstance(self.stop, str):
+            msgspec.structs.force_setattr(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            msgspec.structs.force_setattr(self, name, tuple(getattr(self, name) or ()))
+        for name, kinds in _FIELD_KINDS.items():
+            v = getattr(self, name)
+            if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+                raise InvalidRequestError(f"{name} has the wrong type: {type(v).__name__}", name)
+        if not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be integers", "stop_token_ids")
+
+        def need(cond: bool, msg: str, param: str) -> None:
+            if not cond:
+                raise InvalidRequestError(msg, param)
+
+        need(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_tokens")
+        need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}", "temperature")
+        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        need(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or >= 0, got {self.top_k}", "top_k")
+        need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]", "frequency_penalty")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", "presence_penalty")
+        need(self.repetition_penalty > 0.0, "repetition_penalty must be > 0", "repetition_penalty")
+        need(0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]", "top_logprobs")
+        need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", "stop")
+        need(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+
+_FIELD_KINDS: dict[str, tuple[type, ...]] = {
+    "max_new_tokens": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,),
+    "min_p": (int, float), "seed": (int, type(None)), "frequency_penalty": (int, float),
+    "presence_penalty": (int, float), "repetition_penalty": (int, float), "ignore_eos": (bool,),
+    "logprobs": (bool,), "top_logprobs": (int,), "skip_special_tokens": (bool,),
+}
+
+
+class SampleResult(msgspec.Struct):
+    next_token_ids: list[int]
+    # Per row, None unless the request asked: (chosen logprob, [(token, logprob), ...] top-N).
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> None:
+    """In place on one row: OpenAI frequency/presence (outputs) and HF repetition (all tokens)."""
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.numel())
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+
+
+def sample(logits: torch.Tensor, reqs: list) -> SampleResult:
+    """Pick one token per row. `reqs` carry `.sampling_params`, `.generator`, ids for penalties."""
+    logits = logits.float()
+    want_logprobs = [r.sampling_params.logprobs for r in reqs]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    if any(r.sampling_params.has_penalties for r in reqs):
+        logits = logits.clone()
+        for i, r in enumerate(reqs):
+            if r.sampling_params.has_penalties:
+                apply_penalties(logits[i], r.sampling_params, r.origin_input_ids, r.output_ids)
+
+    next_ids = torch.argmax(logits, dim=-1)
+    random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(logits[rows], [reqs[i].sampling_params for i in random_rows])
+        for j, i in enumerate(random_rows):
+            next_ids[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
+
+    next_list = next_ids.tolist()
+    out: list = [None] * len(reqs)
+    if raw_logprobs is not None:
+        for i, r in enumerate(reqs):
+            if want_logprobs[i]:
+                row = raw_logprobs[i]
+                n = r.sampling_params.top_logprobs
+                top = []
+                if n:
+                    vals, idx = torch.topk(row, n)
+                    top = list(zip(idx.tolist(), vals.tolist()))
+                out[i] = (float(row[next_list[i]]), top)
+    return SampleResult(next_token_ids=next_list, logprobs=out)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, on a batch of rows; returns probabilities."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    logits = logits / temps
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).unsqueeze(1)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+    # Keep a token while the mass before it is below top_p (the first token always stays).
+    drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) > top_p
+    min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+    drop |= sorted_probs < min_p * sorted_probs[:, :1]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(sorted_probs).scatter_(-1, sorted_idx, sorted_probs)
+    return probs / probs.sum(dim=-1, keepdim=True)

@@ -1,0 +1,149 @@
+"""ScheduleBatch: the scheduler's container of Reqs; turns them into tensors and allocates KV."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.forward_batch import ForwardMode
+from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.req import Req
+
+
+class OutOfKVError(RuntimeError):
+    """The pool cannot hold a batch the scheduler already admitted: a budgeting bug."""
+
+
+class ScheduleBatch:
+    def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
+                 allocator: TokenToKVPoolAllocator, tree_cache, device: torch.device) -> None:
+        self.reqs = reqs
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.device = device
+        self.forward_mode = ForwardMode.DECODE
+        self.input_ids = self.seq_lens = self.out_cache_loc = self.req_pool_indices = None
+        self.seq_lens_cpu: list[int] = []
+        self.prefix_lens: list[int] = []
+        self.extend_lens: list[int] = []
+        # Under overlap, decode inputs not sampled yet are read from this buffer on the
+        # forward side, indexed by req_pool_indices (None: input_ids are final).
+        self.input_ids_from_future = False
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def _to_device(self, data: list[int], dtype: torch.dtype) -> torch.Tensor:
+        # On CUDA: pinned host memory and a non-blocking copy, so scheduling never waits on the GPU.
+        t = torch.tensor(data, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def alloc_token_slots(self, n: int) -> torch.Tensor:
+        if self.allocator.available_size() < n:
+            self.tree_cache.evict(n - self.allocator.available_size())
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise OutOfKVError(f"need {n} KV slots, {self.allocator.available_size()} free after eviction")
+        return slots
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def prepare_for_extend(self, mode: ForwardMode = ForwardMode.EXTEND) -> None:
+        """Tensors of an extend: only tokens after each request's prefix are computed."""
+        self.forward_mode = mode
+        input_ids: list[int] = []
+        self.prefix_lens = [len(r.prefix_indices) for r in self.reqs]
+        self.extend_lens = [r.extend_input_len for r in self.reqs]
+        for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            input_ids.extend(r.fill_ids[p:p + n])
+        self.seq_lens_cpu = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        self.out_cache_loc = self.alloc_for_extend()
+        self.input_ids = self._to_device(input_ids, torch.int64)
+        self.seq_lens = self._to_device(self.seq_lens_cpu, torch.int64)
+
+    def alloc_for_extend(self) -> torch.Tensor:
+        """One slot per new token; writes req_to_token[row, :prefix] and [row, prefix:seq]."""
+        out_cache_loc = self.alloc_token_slots(sum(self.extend_lens))
+        pool, offset = self.req_to_token_pool, 0
+        for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            if r.req_pool_idx is None:
+                r.req_pool_idx = pool.alloc()
+                if r.req_pool_idx is None:
+                    raise OutOfKVError("no free request row")
+                pool.write(r.req_pool_idx, 0, r.prefix_indices)
+            pool.write(r.req_pool_idx, p, out_cache_loc[offset:offset + n])
+            r.kv_len = p + n
+            offset += n
+        self.req_pool_indices = self._to_device([r.req_pool_idx for r in self.reqs], torch.int64)
+        return out_cache_loc
+
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """Fold the running decode requests in as one-token extends (a MIXED batch)."""
+        for r in running.reqs:
+            r.prefix_indices = self.req_to_token_pool.req_to_token[r.req_pool_idx, :r.kv_len].to(torch.int64)
+            r.extend_input_len = 1
+        self.reqs = self.reqs + running.reqs
+        self.prepare_for_extend(ForwardMode.MIXED)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def prepare_for_decode(self) -> None:
+        """One new slot per sequence, written at its old length; seq_lens advance by one."""
+        self.forward_mode = ForwardMode.DECODE
+        bs = len(self.reqs)
+        self.out_cache_loc = self.alloc_token_slots(bs)
+        old_lens = [r.kv_len for r in self.reqs]
+        rows = [r.req_pool_idx for r in self.reqs]
+        self.req_pool_indices = self._to_device(rows, torch.int64)
+        self.req_to_token_pool.req_to_token[self.req_pool_indices, self._to_device(old_lens, torch.int64)] = (
+            self.out_cache_loc.to(torch.int32))
+        self.prefix_lens, self.extend_lens = old_lens, [1] * bs
+        self.seq_lens_cpu = [n + 1 for n in old_lens]
+        for r in self.reqs:
+            r.kv_len += 1
+        self.seq_lens = self._to_device(self.seq_lens_cpu, torch.int64)
+        self.input_ids = self._to_device([r.output_ids[-1] if r.output_ids else 0 for r in self.reqs],
+                                         torch.int64)
+
+    def prepare_for_idle(self) -> None:
+        """No sequences: zero tokens, so an attention-DP rank can still join the collectives."""
+        self.forward_mode = ForwardMode.IDLE
+        self.reqs = []
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.input_ids = self.seq_lens = self.out_cache_loc = self.req_pool_indices = empty
+        self.seq_lens_cpu, self.prefix_lens, self.extend_lens = [], [], []
+
+    def check_decode_mem(self) -> bool:
+        need = len(self.reqs)
+        return self.allocator.available_size() + self.tree_cache.evictable_size() >= need
+
+    def retract_decode(self) -> list[Req]:
+        """Take requests out until the rest can decode a few more steps; return them (re-queued
+        by the caller and recomputed later from their fill_ids, so their output is unchanged)."""
+        # Keep the requests with most progress; retract the ones with the least output first
+        # (cheapest to recompute), longest prompt first among equals.
+        order = sorted(range(len(self.reqs)),
+                       key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)))
+        retracted: list[Req] = []
+        while len(self.reqs) - len(retracted) > 1:
+            remaining = len(self.reqs) - len(retracted)
+            if self.allocator.available_size() + self.tree_cache.evictable_size() >= 2 * remaining:
+                break
+            victim = self.reqs[order[len(retracted)]]
+            retracted.append(victim)
+            self.tree_cache.cache_finished_req(victim)
+            victim.num_retractions += 1
+        gone = {id(r) for r in retracted}
+        self.reqs = [r for r in self.reqs if id(r) not in gone]
+        return retracted
+
+    # ---- membership ------------------------------------------------------------------------
+    def filter_batch(self, keep: list[Req] | None = None) -> None:
+        """Drop finished requests (or keep exactly `keep`)."""
+        self.reqs = [r for r in self.reqs if not r.finished()] if keep is None else keep
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        self.reqs = self.reqs + other.reqs

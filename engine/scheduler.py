@@ -1,0 +1,268 @@
+"""The engine loop: admit requests (prefill), decode the running batch, process results."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from enum import Enum, auto
+
+from engine.config import EngineConfig
+from engine.errors import MemoryInvariantError
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.radix_cache import NoRadixCache, RadixCache
+from engine.req import FinishReason, Req
+from engine.sampling import SampleResult
+from engine.schedule_batch import ScheduleBatch
+
+
+class AddResult(Enum):
+    CONTINUE = auto()
+    NO_TOKEN = auto()  # KV budget exhausted
+    OTHER = auto()  # prefill token budget or chunk exhausted
+
+
+class PrefillAdder:
+    """Admits waiting requests under three budgets: KV slots (minus a reserve for the running
+    requests' future tokens), prefill tokens per batch, and the chunk size."""
+
+    def __init__(self, tree_cache, allocator: TokenToKVPoolAllocator, running: list[Req],
+                 new_token_ratio: float, max_prefill_tokens: int, chunk_size: int) -> None:
+        self.tree_cache = tree_cache
+        reserve = sum((r.sampling_params.max_new_tokens - len(r.output_ids)) * new_token_ratio for r in running)
+        self.rem_total_tokens = allocator.available_size() + tree_cache.evictable_size() - reserve
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunk_size
+        self.new_token_ratio = new_token_ratio
+        self.has_running = bool(running)
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    def _lock(self, req: Req) -> None:
+        before = self.tree_cache.evictable_size()
+        self.tree_cache.inc_lock_ref(req.last_node)
+        # Locked prefix slots are no longer evictable: they leave the budget.
+        self.rem_total_tokens -= before - self.tree_cache.evictable_size()
+        req.cache_protected_len = len(req.prefix_indices)
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue a request whose prompt is being prefilled chunk by chunk."""
+        req.extend_input_len = min(req.seqlen - req.kv_len, self.rem_chunk_tokens)
+        self.can_run.append(req)
+        self.rem_total_tokens -= req.extend_input_len
+        self.rem_input_tokens -= req.extend_input_len
+        self.rem_chunk_tokens -= req.extend_input_len
+        if req.kv_len + req.extend_input_len < req.seqlen:
+            self.new_chunked_req = req
+
+    def add_one_req(self, req: Req) -> AddResult:
+        ext = req.extend_input_len
+        future = (req.sampling_params.max_new_tokens - len(req.output_ids))
+        first = not self.can_run and not self.has_running
+        # The very first request always goes in when its prompt fits: progress is guaranteed.
+        if ext + (0 if first else future) > self.rem_total_tokens:
+            return AddResult.NO_TOKEN
+        if ext > self.rem_input_tokens and self.can_run:
+            return AddResult.OTHER
+        if self.rem_chunk_tokens <= 0:
+            return AddResult.OTHER
+        self._lock(req)
+        if ext > self.rem_chunk_tokens:
+            req.extend_input_len = self.rem_chunk_tokens
+            self.new_chunked_req = req
+        self.can_run.append(req)
+        self.rem_total_tokens -= req.extend_input_len + future * self.new_token_ratio
+        self.rem_input_tokens -= req.extend_input_len
+        self.rem_chunk_tokens -= req.extend_input_len
+        return AddResult.CONTINUE if self.new_chunked_req is None else AddResult.OTHER
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, model_runner, eos_token_ids: frozenset[int],
+                 decode_tail: Callable[[list[int]], str] | None = None) -> None:
+        self.config = config
+        self.model_runner = model_runner
+        self.device = model_runner.device
+        self.req_to_token_pool: ReqToTokenPool = model_runner.req_to_token_pool
+        self.allocator: TokenToKVPoolAllocator = model_runner.allocator
+        cache_cls = NoRadixCache if config.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator)
+        self.eos_token_ids = eos_token_ids
+        self.decode_tail = decode_tail
+        self.max_context_len = model_runner.max_context_len
+        self.max_running = self.req_to_token_pool.size
+        self.max_prefill_tokens = config.max_prefill_tokens or 16384
+        self.chunk_size = config.chunked_prefill_size or self.max_prefill_tokens
+        self.waiting_queue: list[Req] = []
+        self.running_batch = self._new_batch([])
+        self.chunked_req: Req | None = None
+        self.reqs: dict[str, Req] = {}  # request table: every live request by rid
+        self.new_token_ratio = config.init_new_token_ratio
+        self.batches_by_mode: Counter[str] = Counter()
+        self.num_retracted = 0
+        self.generated_tokens = 0
+        self.cached_tokens = 0
+        self.prompt_tokens = 0
+        self._idle_checked = True
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.device)
+
+    # ---- request table ---------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        self.reqs[req.rid] = req
+        self.waiting_queue.append(req)
+        self._idle_checked = False
+
+    def abort_request(self, rid: str, message: str = "aborted") -> None:
+        """Mark for abort; handled at the start of the next step, when no forward reads its KV."""
+        req = self.reqs.get(rid)
+        if req is not None and not req.finished():
+            req.to_abort = message
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req)
+
+    def _handle_aborts(self) -> list[Req]:
+        ended = []
+        for req in list(self.reqs.values()):
+            if req.to_abort is None or req.finished():
+                continue
+            req.finished_reason = FinishReason("abort", message=req.to_abort)
+            if req in self.waiting_queue:
+                self.waiting_queue.remove(req)
+            else:
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                self.running_batch.filter_batch()
+                if req.req_pool_idx is not None:
+                    self.tree_cache.cache_finished_req(req)
+            ended.append(req)
+        return ended
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run at most one batch. Returns the requests that got tokens or finished."""
+        touched = self._handle_aborts()
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            result = self.run_batch(batch)
+            touched += self.process_batch_result(batch, result)
+        for req in touched:
+            if req.finished():
+                self.reqs.pop(req.rid, None)
+        if not self.has_work() and not self._idle_checked:
+            self.check_memory()
+            self._idle_checked = True
+        return touched
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        return self.update_running_batch()
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = self.running_batch.reqs
+        if len(running) >= self.max_running and self.chunked_req is None:
+            return None
+        if self.config.schedule_policy == "lpm":
+            for req in self.waiting_queue:
+                req.init_next_round_input(self.tree_cache)
+            self.waiting_queue.sort(key=lambda r: -len(r.prefix_indices))
+        adder = PrefillAdder(self.tree_cache, self.allocator, running, self.new_token_ratio,
+                             self.max_prefill_tokens, self.chunk_size)
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if adder.new_chunked_req is not None:
+                break
+            if len(running) + len(adder.can_run) >= self.max_running:
+                break
+            if self.config.schedule_policy != "lpm":
+                req.init_next_round_input(self.tree_cache)
+            if adder.add_one_req(req) != AddResult.CONTINUE:
+                if adder.can_run and adder.can_run[-1] is req:
+                    continue  # admitted as a chunk; the loop ends at the check above
+                break
+        if not adder.can_run:
+            return None
+        admitted = {id(r) for r in adder.can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        for req in adder.can_run:
+            if req is not self.chunked_req and req.req_pool_idx is None and req.num_retractions == 0:
+                req.cached_tokens = len(req.prefix_indices)
+                self.cached_tokens += req.cached_tokens
+                self.prompt_tokens += len(req.origin_input_ids)
+        self.chunked_req = adder.new_chunked_req
+        batch = self._new_batch(adder.can_run)
+        if self.config.enable_mixed_chunk and running and self.running_batch.check_decode_mem():
+            batch.mix_with_running(self.running_batch)
+            self.running_batch = self._new_batch([])
+        else:
+            batch.prepare_for_extend()
+        return batch
+
+    def update_running_batch(self) -> ScheduleBatch | None:
+        batch = self.running_batch
+        if batch.is_empty():
+            return None
+        if not batch.check_decode_mem():
+            retracted = batch.retract_decode()
+            self.num_retracted += len(retracted)
+            self.waiting_queue = retracted + self.waiting_queue
+            # Reserve every running request's full remaining output for a while: no thrashing.
+            self.new_token_ratio = 1.0
+        batch.prepare_for_decode()
+        self.new_token_ratio = max(self.new_token_ratio - self.config.new_token_ratio_decay,
+                                   self.config.min_new_token_ratio)
+        return batch
+
+    def run_batch(self, batch: ScheduleBatch) -> SampleResult:
+        fb = ForwardBatch.init_new(batch, self.device)
+        self.batches_by_mode[fb.forward_mode.name] += 1
+        logits = self.model_runner.forward(fb)
+        if logits is None:
+            return SampleResult(next_token_ids=[], logprobs=[])
+        return self.model_runner.sample(logits, batch.reqs)
+
+    def process_batch_result(self, batch: ScheduleBatch, result: SampleResult) -> list[Req]:
+        touched, still_running = [], []
+        for i, req in enumerate(batch.reqs):
+            if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            req.output_ids.append(result.next_token_ids[i])
+            if req.sampling_params.logprobs:
+                req.output_logprobs.append(result.logprobs[i])
+            self.generated_tokens += 1
+            req.check_finished(self.eos_token_ids, self.max_context_len, self.decode_tail)
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+            else:
+                still_running.append(req)
+            touched.append(req)
+        if batch.forward_mode == ForwardMode.EXTEND:
+            self.running_batch.merge_batch(self._new_batch(still_running))
+        else:  # DECODE, or MIXED whose batch holds the former running requests too
+            self.running_batch = self._new_batch(still_running)
+        return touched
+
+    # ---- integrity ---------------------------------------------------------------------------
+    def check_memory(self) -> None:
+        """Idle invariant: every slot is free or in the tree, and every request row is free."""
+        available = self.allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
+        total = self.allocator.size
+        if available + evictable + protected != total:
+            raise MemoryInvariantError(
+                f"KV leak: available {available} + evictable {evictable} + protected {protected} "
+                f"!= total {total}")
+        if protected:
+            raise MemoryInvariantError(f"{protected} slots still locked with no request running")
+        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            raise MemoryInvariantError(
+                f"request rows leaked: {self.req_to_token_pool.size - self.req_to_token_pool.available_size()}")

@@ -1,0 +1,112 @@
+"""Tokenizer (HF `tokenizers`), chat templates (jinja2) and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+from engine.errors import ConfigError, InvalidRequestError
+
+# Used when a checkpoint ships no chat template: plain "role: content" turns.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def _token_text(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str) -> None:
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"no tokenizer.json in model folder {model_dir!r}")
+        self.tok = HFTokenizer.from_file(path)
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        cfg = json.load(open(cfg_path)) if os.path.isfile(cfg_path) else {}
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_token_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+        # None: trust tokenizer.json's post-processor, as transformers does.
+        self.add_bos_token: bool | None = cfg.get("add_bos_token")
+        template = cfg.get("chat_template")
+        jinja_file = os.path.join(model_dir, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_file):
+            template = open(jinja_file).read()
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.has_chat_template = template is not None
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        self._template = env.from_string(template or FALLBACK_CHAT_TEMPLATE)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.bos_token_id is not None:
+            if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+                ids = [self.bos_token_id] + ids
+            elif self.add_bos_token is False and ids and ids[0] == self.bos_token_id:
+                ids = ids[1:]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(f"chat template failed: {e}", "messages") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Render and tokenize as transformers does: the template writes BOS itself if it wants one."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas whose concatenation is exactly the
+    final text: it holds back an incomplete UTF-8 character (U+FFFD at the end) and, when stop
+    strings are set, the last len(longest stop) - 1 characters, which may start a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def final_text(self) -> str:
+        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        return text if cut < 0 else text[:cut]
+
+    def step(self, new_ids: list[int], finished: bool) -> str:
+        self.ids.extend(new_ids)
+        if finished:
+            text = self.final_text()
+        else:
+            text = self.tokenizer.decode(self.ids, self.skip_special_tokens).rstrip("\ufffd")
+            if self.hold:
+                text = text[:max(len(text) - self.hold, 0)]
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
