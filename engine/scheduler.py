@@ -42,14 +42,20 @@ class PrefillAdder:
         before = self.tree_cache.evictable_size()
         self.tree_cache.inc_lock_ref(req.last_node)
         # Locked prefix slots are no longer evictable: they leave the budget.
-        self.rem_total_tokens -= before - self.tree_cache.evictable_size()
+        self._locked_delta = before - self.tree_cache.evictable_size()
+        self.rem_total_tokens -= self._locked_delta
         req.cache_protected_len = len(req.prefix_indices)
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue a request whose prompt is being prefilled chunk by chunk."""
-        req.extend_input_len = min(req.seqlen - req.kv_len, self.rem_chunk_tokens)
+        fits = int(self.rem_total_tokens)
+        req.extend_input_len = min(req.seqlen - req.kv_len, self.rem_chunk_tokens, fits)
+        if req.extend_input_len <= 0:  # no room this round: decode frees or retracts first
+            self.new_chunked_req = req
+            return
         self.can_run.append(req)
-        self.rem_total_tokens -= req.extend_input_len
+        future = req.sampling_params.max_new_tokens - len(req.output_ids)
+        self.rem_total_tokens -= req.extend_input_len + future * self.new_token_ratio
         self.rem_input_tokens -= req.extend_input_len
         self.rem_chunk_tokens -= req.extend_input_len
         if req.kv_len + req.extend_input_len < req.seqlen:
@@ -59,14 +65,14 @@ class PrefillAdder:
         ext = req.extend_input_len
         future = (req.sampling_params.max_new_tokens - len(req.output_ids))
         first = not self.can_run and not self.has_running
-        # The very first request always goes in when its prompt fits: progress is guaranteed.
-        if ext + (0 if first else future) > self.rem_total_tokens:
+        if (ext > self.rem_input_tokens and self.can_run) or self.rem_chunk_tokens <= 0:
+            return AddResult.OTHER
+        self._lock(req)  # first: locking its prefix takes those slots out of the budget
+        # The very first request goes in whenever its prompt fits, so progress is guaranteed.
+        if min(ext, self.rem_chunk_tokens) + (0 if first else future) > self.rem_total_tokens:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            self.rem_total_tokens += self._locked_delta
             return AddResult.NO_TOKEN
-        if ext > self.rem_input_tokens and self.can_run:
-            return AddResult.OTHER
-        if self.rem_chunk_tokens <= 0:
-            return AddResult.OTHER
-        self._lock(req)
         if ext > self.rem_chunk_tokens:
             req.extend_input_len = self.rem_chunk_tokens
             self.new_chunked_req = req

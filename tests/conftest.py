@@ -1,0 +1,95 @@
+"""Shared fixtures: small random-weight checkpoints (built per session) and HF references."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.builtin_model import byte_level_tokenizer, llama_config, random_llama_weights, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024)
+MODEL_CONFIGS = {
+    "llama": llama_config(**SMALL),
+    "qwen2": llama_config(**SMALL, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                          tie_word_embeddings=False),
+    "qwen3": llama_config(**{**SMALL, "num_key_value_heads": 1}, architectures=["Qwen3ForCausalLM"],
+                          model_type="qwen3", head_dim=32, tie_word_embeddings=False,
+                          rope_parameters={"rope_theta": 5000.0, "rope_type": "default"}),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """name -> checkpoint folder: the random configs above plus the real stories260K."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for name, cfg in MODEL_CONFIGS.items():
+        cfg = dict(cfg)
+        if "rope_parameters" in cfg:
+            cfg.pop("rope_theta")
+        # std 0.15: peaked logits, so float32 rounding never decides a greedy tie.
+        dirs[name] = write_checkpoint(str(root / name), cfg, random_llama_weights(cfg, seed=1, std=0.15),
+                                      byte_level_tokenizer())
+    dirs["stories"] = str(STORIES)
+    return dirs
+
+
+class HFReference:
+    """Greedy continuations from transformers `generate`, cached per (model, prompt, n)."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, object] = {}
+        self.cache: dict[tuple, list[int]] = {}
+
+    def model(self, path: str):
+        if path not in self.models:
+            from transformers import AutoModelForCausalLM
+
+            m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            m.generation_config.eos_token_id = None  # compare full lengths: the engine ignores EOS too
+            m.generation_config.pad_token_id = 0
+            self.models[path] = m.eval()
+        return self.models[path]
+
+    def greedy(self, path: str, prompt: list[int], n: int) -> list[int]:
+        key = (path, tuple(prompt), n)
+        if key not in self.cache:
+            m = self.model(path)
+            with torch.no_grad():
+                out = m.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            self.cache[key] = out[0, len(prompt):].tolist()
+        return self.cache[key]
+
+    def logprobs(self, path: str, ids: list[int]) -> torch.Tensor:
+        """log-softmax of the next-token logits after each prefix of ids: [len(ids), vocab]."""
+        with torch.no_grad():
+            logits = self.model(path)(torch.tensor([ids])).logits[0]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.fixture(scope="session")
+def hf() -> HFReference:
+    torch.manual_seed(0)
+    return HFReference()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_threads():
+    # Two cores here: keep intra-op threads from oversubscribing when Ray workers run too.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
