@@ -120,16 +120,16 @@ class LlamaModel:
             x = rms_norm(residual, layer["input_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, -1, hd)
-            k = k.view(T, -1, hd)
-            v = v.view(T, -1, hd)
+            q = q.view(T, cfg.num_attention_heads, hd)
+            k = k.view(T, cfg.num_key_value_heads, hd)
+            v = v.view(T, cfg.num_key_value_heads, hd)
             if cfg.qk_norm:
                 q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
                 k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             o = attn.forward(q, k, v.contiguous(), i, fb)
-            residual = residual + F.linear(o.reshape(T, -1), layer["o"])
+            residual = residual + F.linear(o.reshape(T, self.q_size), layer["o"])
             x = rms_norm(residual, layer["post_norm"], cfg.rms_norm_eps)
             residual = residual + self._mlp(x, layer)
         h = residual[fb.last_token_indices]

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import os
 
+import re
+
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ConfigError, InvalidRequestError
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 # Used when a checkpoint ships no chat template: plain "role: content" turns.
 FALLBACK_CHAT_TEMPLATE = (
@@ -28,6 +32,14 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise ConfigError(f"no tokenizer.json in model folder {model_dir!r}")
         self.tok = HFTokenizer.from_file(path)
+        # Byte-fallback pieces ("<0xE2>"): a run of them decodes as a group that may still change.
+        model = json.load(open(path)).get("model", {})
+        self.byte_token_ids = frozenset(
+            i for t, i in self.tok.get_vocab().items() if _BYTE_PIECE.fullmatch(t)
+        ) if model.get("byte_fallback") else frozenset()
+        specials = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+        # Tokens a held-back byte run may extend over (skipped specials do not end the group).
+        self.byte_run_ids = self.byte_token_ids | specials if self.byte_token_ids else frozenset()
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         cfg = json.load(open(cfg_path)) if os.path.isfile(cfg_path) else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
@@ -82,7 +94,8 @@ def _raise_template_error(message: str) -> None:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas whose concatenation is exactly the
     final text: it holds back an incomplete UTF-8 character (U+FFFD at the end) and, when stop
-    strings are set, the last len(longest stop) - 1 characters, which may start a stop string."""
+    strings are set, the last len(longest stop) - 1 characters, which may start a stop string.
+    A trailing run of byte-fallback pieces is held too: the group decodes as one unit."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  stop: tuple[str, ...] = ()) -> None:
@@ -103,7 +116,11 @@ class IncrementalDetokenizer:
         if finished:
             text = self.final_text()
         else:
-            text = self.tokenizer.decode(self.ids, self.skip_special_tokens).rstrip("\ufffd")
+            # Leave out a trailing run of byte-fallback pieces: its text can change as bytes arrive.
+            end, byte_ids = len(self.ids), self.tokenizer.byte_run_ids
+            while end and self.ids[end - 1] in byte_ids:
+                end -= 1
+            text = self.tokenizer.decode(self.ids[:end], self.skip_special_tokens).rstrip("\ufffd")
             if self.hold:
                 text = text[:max(len(text) - self.hold, 0)]
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
