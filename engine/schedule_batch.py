@@ -29,6 +29,7 @@ class ScheduleBatch:
         # Under overlap, decode inputs not sampled yet are read from this buffer on the
         # forward side, indexed by req_pool_indices (None: input_ids are final).
         self.input_ids_from_future = False
+        self.decoding_reqs: set[int] = set()  # ids of running requests folded into a MIXED batch
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -86,6 +87,7 @@ class ScheduleBatch:
         for r in running.reqs:
             r.prefix_indices = self.req_to_token_pool.req_to_token[r.req_pool_idx, :r.kv_len].to(torch.int64)
             r.extend_input_len = 1
+        self.decoding_reqs = {id(r) for r in running.reqs}
         self.reqs = self.reqs + running.reqs
         self.prepare_for_extend(ForwardMode.MIXED)
 

@@ -16,6 +16,9 @@ from engine.sampling import SampleResult
 from engine.schedule_batch import ScheduleBatch
 
 
+IN_BATCH_PREFIX_LEN = 32  # shared head length that defers a request to the next prefill round
+
+
 class AddResult(Enum):
     CONTINUE = auto()
     NO_TOKEN = auto()  # KV budget exhausted
@@ -182,6 +185,7 @@ class Scheduler:
                              self.max_prefill_tokens, self.chunk_size)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
+        admitted_heads: set[tuple[int, ...]] = set()
         for req in self.waiting_queue:
             if adder.new_chunked_req is not None:
                 break
@@ -189,6 +193,8 @@ class Scheduler:
                 break
             if self.config.schedule_policy != "lpm":
                 req.init_next_round_input(self.tree_cache)
+            if self._defer_shared_prefix(req, admitted_heads):
+                continue
             if adder.add_one_req(req) != AddResult.CONTINUE:
                 if adder.can_run and adder.can_run[-1] is req:
                     continue  # admitted as a chunk; the loop ends at the check above
@@ -210,6 +216,20 @@ class Scheduler:
         else:
             batch.prepare_for_extend()
         return batch
+
+    def _defer_shared_prefix(self, req: Req, admitted_heads: set[tuple[int, ...]]) -> bool:
+        """In-batch prefix caching: of several uncached requests that share a head, admit one
+        now; the others wait a round and then hit the tree instead of recomputing the prefix."""
+        if self.config.disable_radix_cache or len(req.prefix_indices) >= IN_BATCH_PREFIX_LEN:
+            return False
+        fill = req.origin_input_ids
+        if len(fill) <= IN_BATCH_PREFIX_LEN:
+            return False
+        head = tuple(fill[:IN_BATCH_PREFIX_LEN])
+        if head in admitted_heads:
+            return True
+        admitted_heads.add(head)
+        return False
 
     def update_running_batch(self) -> ScheduleBatch | None:
         batch = self.running_batch
@@ -236,6 +256,7 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, result: SampleResult) -> list[Req]:
         touched, still_running = [], []
+        decoding = batch.decoding_reqs
         for i, req in enumerate(batch.reqs):
             if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
                 self.tree_cache.cache_unfinished_req(req)
@@ -248,6 +269,9 @@ class Scheduler:
             if req.finished():
                 self.tree_cache.cache_finished_req(req)
             else:
+                if batch.forward_mode.is_extend() and id(req) not in decoding:
+                    # The prompt's KV joins the tree now, so requests sharing it hit at once.
+                    self.tree_cache.cache_unfinished_req(req)
                 still_running.append(req)
             touched.append(req)
         if batch.forward_mode == ForwardMode.EXTEND:

@@ -106,10 +106,12 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.sent = ""
 
-    def final_text(self) -> str:
-        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+    def _cut_at_stop(self, text: str) -> str:
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         return text if cut < 0 else text[:cut]
+
+    def final_text(self) -> str:
+        return self._cut_at_stop(self.tokenizer.decode(self.ids, self.skip_special_tokens))
 
     def step(self, new_ids: list[int], finished: bool) -> str:
         self.ids.extend(new_ids)
@@ -121,7 +123,8 @@ class IncrementalDetokenizer:
             while end and self.ids[end - 1] in byte_ids:
                 end -= 1
             text = self.tokenizer.decode(self.ids[:end], self.skip_special_tokens).rstrip("\ufffd")
-            if self.hold:
+            if self.stop:
+                text = self._cut_at_stop(text)
                 text = text[:max(len(text) - self.hold, 0)]
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
             return ""
