@@ -10,7 +10,9 @@ import itertools
 import queue
 import random
 import threading
+import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -91,6 +93,9 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = False
         self.dead: BaseException | None = None
+        # Wall time of whole steps (scheduling, forward, sampling, output) by forward mode.
+        self.step_seconds: Counter[str] = Counter()
+        self.step_count: Counter[str] = Counter()
 
     # ---- validation and submission --------------------------------------------------------
     def tokenize(self, prompt: str | None = None, input_ids: list[int] | None = None,
@@ -179,10 +184,14 @@ class Engine:
     def step(self) -> bool:
         """One scheduler step plus output delivery. Returns whether any work remains."""
         with self._step_lock:
+            t0 = time.perf_counter()
             self._drain_inbox()
             touched = self.scheduler.step()
             for req in touched:
                 self._emit(req)
+            if self.scheduler.last_mode is not None:
+                self.step_seconds[self.scheduler.last_mode] += time.perf_counter() - t0
+                self.step_count[self.scheduler.last_mode] += 1
             return self.scheduler.has_work()
 
     def _emit(self, req: Req) -> None:

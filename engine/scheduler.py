@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from enum import Enum, auto
@@ -14,7 +15,6 @@ from engine.radix_cache import NoRadixCache, RadixCache
 from engine.req import FinishReason, Req
 from engine.sampling import SampleResult
 from engine.schedule_batch import ScheduleBatch
-
 
 IN_BATCH_PREFIX_LEN = 32  # shared head length that defers a request to the next prefill round
 
@@ -113,6 +113,9 @@ class Scheduler:
         self.cached_tokens = 0
         self.prompt_tokens = 0
         self._idle_checked = True
+        # Seconds spent inside ModelRunner.forward, by mode (benchmarks read it).
+        self.forward_seconds: Counter[str] = Counter()
+        self.last_mode: str | None = None
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.device)
@@ -153,6 +156,7 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run at most one batch. Returns the requests that got tokens or finished."""
         touched = self._handle_aborts()
+        self.last_mode = None
         batch = self.get_next_batch_to_run()
         if batch is not None:
             result = self.run_batch(batch)
@@ -249,7 +253,10 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch) -> SampleResult:
         fb = ForwardBatch.init_new(batch, self.device)
         self.batches_by_mode[fb.forward_mode.name] += 1
+        self.last_mode = fb.forward_mode.name
+        t0 = time.perf_counter()
         logits = self.model_runner.forward(fb)
+        self.forward_seconds[self.last_mode] += time.perf_counter() - t0
         if logits is None:
             return SampleResult(next_token_ids=[], logprobs=[])
         return self.model_runner.sample(logits, batch.reqs)

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.builtin_model import byte_level_tokenizer, llama_config, random_llama_weights, write_checkpoint
+from engine.builtin_model import (
+    byte_level_tokenizer,
+    llama_config,
+    random_llama_weights,
+    write_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "models" / "stories260K"

@@ -76,7 +76,7 @@ def test_radix_cache_matches_reference(script):
                 stack.extend((c, path) for c in node.children.values())
             stored = dict.fromkeys(paths, 1)
             # Locked prefixes are never evicted.
-            for node, n in locks:
+            for node, _ in locks:
                 assert node.lock_ref > 0
         # Accounting: every slot is free or in the tree, split into evictable and protected.
         assert alloc.available_size() + cache.evictable_size() + cache.protected_size() == POOL

@@ -1,0 +1,181 @@
+"""`python -m engine.bench`: the engine side by side with baselines, one summary line per case.
+
+Cases (same machine, same weights, float32, greedy, ignore_eos):
+  mixed       64 requests, prompts U[16,256], outputs U[32,512]: this engine vs transformers
+              `generate` in static batches of 16 (left padding, each batch runs to its longest).
+  prefix      4 groups x 16 requests, 1024-token shared prefix + 32 unique, 32 outputs:
+              radix cache on vs off (total tokens/s).
+  overhead    decode at batch 32: share of step wall time spent outside the model forward.
+  roofline    decode at batch 64: achieved FLOP/s (2 x params x tokens/s) vs a 2048^3 torch.mm.
+  overlap     (with --overlap) decode-heavy workload, overlap scheduling on vs off.
+`--quick` shrinks every workload (a smoke run, not a measurement to quote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import time
+
+import torch
+
+from engine import Engine, SamplingParams
+from engine.builtin_model import byte_level_tokenizer, cache_dir, llama_config, random_llama_weights, write_checkpoint
+
+BENCH_ARCH = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
+                  tie_word_embeddings=True)
+
+
+def bench_model_path() -> str:
+    """The ~50M-parameter random Llama used by every case (built once, cached)."""
+    path = os.path.join(cache_dir(), "bench-llama-50m-v1")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        cfg = llama_config(**BENCH_ARCH)
+        write_checkpoint(path + ".tmp", cfg, random_llama_weights(cfg, seed=0, std=0.02), byte_level_tokenizer())
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_engine(eng: Engine, prompts: list[list[int]], outs: list[int]) -> float:
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
+    t0 = time.perf_counter()
+    results = eng.generate(input_ids=prompts, sampling_params=params)
+    dt = time.perf_counter() - t0
+    assert [len(r.token_ids) for r in results] == outs, "engine skipped work"
+    eng.check_memory()
+    return dt
+
+
+def run_hf_static(path: str, prompts: list[list[int]], outs: list[int], batch: int = 16) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        chunk, n_out = prompts[i:i + batch], max(outs[i:i + batch])
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, do_sample=False)
+        assert out.shape[1] == width + n_out, "transformers stopped early"
+    return time.perf_counter() - t0
+
+
+def line(case: str, a_name: str, a: float, b_name: str, b: float, unit: str, extra: str = "") -> None:
+    print(f"{case:<10} {a_name}={a:,.1f} {unit}  {b_name}={b:,.1f} {unit}  ratio={a / b:.2f}x {extra}".rstrip(),
+          flush=True)
+
+
+def case_mixed(path: str, scale: float) -> None:
+    rng = random.Random(0)
+    n = max(4, int(64 * scale))
+    prompts = random_prompts(n, 16, 256, BENCH_ARCH["vocab_size"], rng)
+    outs = [rng.randint(32, max(33, int(512 * scale))) for _ in range(n)]
+    eng = Engine(model_path=path, max_total_tokens=65536, max_running_requests=64)
+    ours = sum(outs) / run_engine(eng, prompts, outs)
+    del eng
+    gc.collect()
+    theirs = sum(outs) / run_hf_static(path, prompts, outs)
+    line("mixed", "radixray", ours, "transformers_static16", theirs, "out tok/s", "(floor 3x)")
+
+
+def case_prefix(path: str, scale: float) -> None:
+    rng = random.Random(1)
+    groups, per, plen = 4, max(2, int(16 * scale)), max(64, int(1024 * scale))
+    prompts = []
+    for _ in range(groups):
+        prefix = random_prompts(1, plen, plen, BENCH_ARCH["vocab_size"], rng)[0]
+        prompts += [prefix + u for u in random_prompts(per, 32, 32, BENCH_ARCH["vocab_size"], rng)]
+    outs = [32] * len(prompts)
+    total = sum(len(p) for p in prompts) + sum(outs)
+    rates = {}
+    for disable in (False, True):
+        eng = Engine(model_path=path, max_total_tokens=32768, disable_radix_cache=disable)
+        rates[disable] = total / run_engine(eng, prompts, outs)
+        hit = eng.stats()["cached_tokens"] / eng.stats()["prompt_tokens"]
+        del eng
+        gc.collect()
+        if not disable:
+            hit_on = hit
+    line("prefix", "radix_on", rates[False], "radix_off", rates[True], "total tok/s",
+         f"(cache hit {hit_on:.0%}; floor 4x)")
+
+
+def decode_run(path: str, bs: int, out_len: int, **engine_kwargs) -> Engine:
+    rng = random.Random(2)
+    prompts = random_prompts(bs, 32, 32, BENCH_ARCH["vocab_size"], rng)
+    eng = Engine(model_path=path, max_total_tokens=16384, max_running_requests=bs, **engine_kwargs)
+    run_engine(eng, prompts, [out_len] * bs)
+    return eng
+
+
+def case_overhead(path: str, scale: float) -> None:
+    eng = decode_run(path, 32, max(16, int(128 * scale)))
+    step, fwd = eng.step_seconds["DECODE"], eng.scheduler.forward_seconds["DECODE"]
+    frac = (step - fwd) / step
+    print(f"overhead   decode bs=32: step={1e3 * step / eng.step_count['DECODE']:.2f} ms  "
+          f"forward={1e3 * fwd / eng.step_count['DECODE']:.2f} ms  outside-forward={frac:.1%} (ceiling 10%)",
+          flush=True)
+
+
+def matmul_flops() -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    for _ in range(3):
+        torch.mm(a, b)
+    reps, t0 = 10, time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    return 2 * 2048 ** 3 * reps / (time.perf_counter() - t0)
+
+
+def case_roofline(path: str, scale: float) -> None:
+    eng = decode_run(path, 64, max(16, int(128 * scale)))
+    params = eng.model_runner.model.num_parameters()
+    tok_s = 64 * eng.step_count["DECODE"] / eng.step_seconds["DECODE"]
+    achieved = 2 * params * tok_s
+    peak = matmul_flops()
+    line("roofline", "decode_bs64", achieved / 1e9, "mm2048", peak / 1e9, "GFLOP/s",
+         f"({params / 1e6:.1f}M params, {tok_s:,.0f} tok/s; floor 50%)")
+
+
+def case_overlap(path: str, scale: float) -> None:
+    rates = {}
+    for overlap in (True, False):
+        t0 = time.perf_counter()
+        eng = decode_run(path, 32, max(16, int(256 * scale)), enable_overlap=overlap)
+        rates[overlap] = 32 * eng.step_count.get("DECODE", 0) / eng.step_seconds["DECODE"]
+        del eng, t0
+    line("overlap", "overlap_on", rates[True], "overlap_off", rates[False], "decode tok/s")
+
+
+CASES = {"mixed": case_mixed, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
+         "overlap": case_overlap}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="mixed,prefix,overhead,roofline", help=f"comma list of {list(CASES)}")
+    ap.add_argument("--quick", action="store_true", help="tiny workloads: a smoke run, not a measurement")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = bench_model_path()
+    print(f"# engine bench: torch {torch.__version__}, {torch.get_num_threads()} threads, model {path}", flush=True)
+    for name in args.cases.split(","):
+        CASES[name](path, 0.125 if args.quick else 1.0)
+
+
+if __name__ == "__main__":
+    main()
