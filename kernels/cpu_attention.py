@@ -116,7 +116,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -141,7 +141,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(name=f"radixray_cpu_attn_{digest}", cpp_sources=[_SOURCE], functions=None,
-                           extra_cflags=_FLAGS, build_directory=build_dir, verbose=False)
+                           extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
         _state["error"] = f"{type(e).__name__}: {e}"
         return None

@@ -1,0 +1,187 @@
+"""Routing policies: which engine gets a (tokenized) request.
+
+`cache_aware` keeps, per engine, an approximate radix tree of the prompts it was sent (token
+level), trimmed LRU to the engine's KV capacity and corrected by the engines' own eviction
+events. A request goes to the engine with the longest cached prefix unless the load is
+imbalanced beyond a threshold, then to the least loaded engine."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+POLICIES = ("round_robin", "least_load", "cache_aware")
+
+
+class _Node:
+    __slots__ = ("children", "parent", "key", "last_access")
+
+    def __init__(self, key: tuple[int, ...], parent: _Node | None) -> None:
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.key = key
+        self.last_access = 0
+
+
+class PrefixTree:
+    """Token-level radix tree without values: what one engine (probably) has cached."""
+
+    def __init__(self, capacity: int) -> None:
+        self.root = _Node((), None)
+        self.capacity = capacity
+        self.size = 0
+        self._clock = itertools.count(1)
+
+    def match(self, tokens: list[int]) -> int:
+        node, i, now = self.root, 0, next(self._clock)
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            n = 0
+            while n < len(child.key) and i + n < len(tokens) and child.key[n] == tokens[i + n]:
+                n += 1
+            child.last_access = now
+            i += n
+            if n < len(child.key):
+                break
+            node = child
+        return i
+
+    def insert(self, tokens: list[int]) -> None:
+        node, i, now = self.root, 0, next(self._clock)
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                leaf = _Node(tuple(tokens[i:]), node)
+                leaf.last_access = now
+                node.children[tokens[i]] = leaf
+                self.size += len(leaf.key)
+                break
+            n = 0
+            while n < len(child.key) and i + n < len(tokens) and child.key[n] == tokens[i + n]:
+                n += 1
+            child.last_access = now
+            if n < len(child.key):  # split
+                head = _Node(child.key[:n], node)
+                head.last_access = now
+                node.children[tokens[i]] = head
+                child.key, child.parent = child.key[n:], head
+                head.children[child.key[0]] = child
+                child = head
+            node, i = child, i + n
+        if self.size > self.capacity:
+            self.trim(self.size - self.capacity)
+
+    def remove(self, tokens: list[int]) -> None:
+        """An engine evicted this path: drop the tail of it that our tree holds as a leaf."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None or tuple(tokens[i:i + len(child.key)]) != child.key:
+                return
+            node, i = child, i + len(child.key)
+        while node is not self.root and not node.children:
+            parent = node.parent
+            del parent.children[node.key[0]]
+            self.size -= len(node.key)
+            node = parent
+
+    def trim(self, num_tokens: int) -> None:
+        leaves = []
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if not n.children and n is not self.root:
+                leaves.append(n)
+        leaves.sort(key=lambda n: n.last_access)
+        freed = 0
+        for leaf in leaves:
+            if freed >= num_tokens:
+                break
+            del leaf.parent.children[leaf.key[0]]
+            self.size -= len(leaf.key)
+            freed += len(leaf.key)
+
+
+@dataclass
+class EngineLoad:
+    healthy: bool = True
+    requests: int = 0  # in flight through this router
+    tokens: int = 0  # prompt + max output tokens of those requests
+
+
+@dataclass
+class Router:
+    policy: str
+    num_engines: int
+    kv_capacity: int = 1 << 16
+    balance_abs_threshold: int = 8  # requests
+    balance_rel_threshold: float = 1.5
+    loads: list[EngineLoad] = field(default_factory=list)
+    decisions: Counter = field(default_factory=Counter)
+    matched_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing must be one of {POLICIES}, got {self.policy!r}")
+        self.loads = [EngineLoad() for _ in range(self.num_engines)]
+        self.trees = [PrefixTree(self.kv_capacity) for _ in range(self.num_engines)]
+        self._rr = itertools.count()
+
+    def healthy(self) -> list[int]:
+        return [i for i, ld in enumerate(self.loads) if ld.healthy]
+
+    def least_loaded(self, candidates: list[int]) -> int:
+        return min(candidates, key=lambda i: (self.loads[i].tokens, self.loads[i].requests, i))
+
+    def pick(self, input_ids: list[int], cost: int, exclude: frozenset[int] = frozenset()) -> int | None:
+        """Choose an engine (None if none is healthy) and account the request on it."""
+        candidates = [i for i in self.healthy() if i not in exclude]
+        if not candidates:
+            return None
+        if self.policy == "round_robin":
+            choice = candidates[next(self._rr) % len(candidates)]
+        elif self.policy == "least_load":
+            choice = self.least_loaded(candidates)
+        else:
+            choice = self._cache_aware(input_ids, candidates)
+        self.matched_tokens += self.trees[choice].match(input_ids)
+        self.prompt_tokens += len(input_ids)
+        self.trees[choice].insert(input_ids)
+        self.decisions[choice] += 1
+        self.loads[choice].requests += 1
+        self.loads[choice].tokens += cost
+        return choice
+
+    def _cache_aware(self, input_ids: list[int], candidates: list[int]) -> int:
+        reqs = [self.loads[i].requests for i in candidates]
+        if max(reqs) - min(reqs) > self.balance_abs_threshold and max(reqs) > self.balance_rel_threshold * max(min(reqs), 1):
+            return self.least_loaded(candidates)
+        best = max(candidates, key=lambda i: (self.trees[i].match(input_ids), -self.loads[i].requests, -i))
+        if self.trees[best].match(input_ids) == 0:
+            return self.least_loaded(candidates)
+        return best
+
+    def done(self, engine: int, cost: int) -> None:
+        self.loads[engine].requests -= 1
+        self.loads[engine].tokens -= cost
+
+    def evicted(self, engine: int, paths: list[list[int]]) -> None:
+        for p in paths:
+            self.trees[engine].remove(p)
+
+    def set_healthy(self, engine: int, healthy: bool) -> None:
+        if not healthy and self.loads[engine].healthy:
+            self.trees[engine] = PrefixTree(self.kv_capacity)  # a restarted engine starts cold
+        self.loads[engine].healthy = healthy
+
+    def stats(self) -> dict:
+        return {
+            "policy": self.policy,
+            "decisions": [self.decisions[i] for i in range(self.num_engines)],
+            "prefix_hit_rate": self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+        }
