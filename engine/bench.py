@@ -22,7 +22,13 @@ import time
 import torch
 
 from engine import Engine, SamplingParams
-from engine.builtin_model import byte_level_tokenizer, cache_dir, llama_config, random_llama_weights, write_checkpoint
+from engine.builtin_model import (
+    byte_level_tokenizer,
+    cache_dir,
+    llama_config,
+    random_llama_weights,
+    write_checkpoint,
+)
 
 BENCH_ARCH = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,

@@ -21,7 +21,8 @@ import torch
 
 from engine.builtin_model import builtin_model_path
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError
+from engine.inputs import InputProcessor
 from engine.model_runner import ModelRunner
 from engine.req import Req
 from engine.sampling import SamplingParams
@@ -84,6 +85,10 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(self.config, self.model_runner, frozenset(eos), self.tokenizer.decode)
+        mr = self.model_runner
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, mr.max_context_len,
+                                     mr.max_total_tokens)
+        self.tokenize = self.inputs.tokenize
         self._rng = random.Random(self.config.seed)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -97,59 +102,15 @@ class Engine:
         self.step_seconds: Counter[str] = Counter()
         self.step_count: Counter[str] = Counter()
 
-    # ---- validation and submission --------------------------------------------------------
-    def tokenize(self, prompt: str | None = None, input_ids: list[int] | None = None,
-                 messages: list[dict] | None = None) -> list[int]:
-        given = [x is not None for x in (prompt, input_ids, messages)]
-        if sum(given) != 1:
-            raise InvalidRequestError("give exactly one of prompt, input_ids or messages", "prompt")
-        if messages is not None:
-            if not isinstance(messages, list) or not messages:
-                raise InvalidRequestError("messages must be a non-empty list", "messages")
-            ids = self.tokenizer.encode_chat(messages)
-        elif prompt is not None:
-            if not isinstance(prompt, str) or not prompt:
-                raise InvalidRequestError("prompt must be a non-empty string", "prompt")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = input_ids
-        self.validate_input_ids(ids)
-        return list(ids)
-
-    def validate_input_ids(self, ids: Any) -> None:
-        vocab = self.model_config.vocab_size
-        if not isinstance(ids, list | tuple) or not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", "prompt")
-
-    def validate_length(self, num_input: int, params: SamplingParams) -> None:
-        limit = min(self.model_runner.max_context_len, self.model_runner.max_total_tokens - 1)
-        if num_input + params.max_new_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({num_input} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                f"context limit of {limit} tokens", "max_tokens")
-
-    def _as_params(self, sp: Any) -> SamplingParams:
-        if sp is None:
-            return SamplingParams()
-        if isinstance(sp, SamplingParams):
-            return sp
-        if isinstance(sp, dict):
-            try:
-                return msgspec.convert(sp, SamplingParams)
-            except msgspec.ValidationError as e:
-                raise InvalidRequestError(f"invalid sampling parameters: {e}") from None
-        raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
-
+    # ---- submission ------------------------------------------------------------------------
     def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict | None,
                sink: Callable[[StreamDelta], None], rid: str | None = None) -> str:
         """Validate and queue one request; its deltas go to `sink` (called on the step thread)."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead}")
-        params = self._as_params(sampling_params)
-        self.validate_input_ids(input_ids)
-        self.validate_length(len(input_ids), params)
+        params = self.inputs.as_params(sampling_params)
+        self.inputs.validate_input_ids(input_ids)
+        self.inputs.validate_length(len(input_ids), params)
         rid = rid or uuid.uuid4().hex
         gen = None
         if not params.is_greedy:
@@ -243,28 +204,10 @@ class Engine:
             raise
 
     # ---- convenience API ----------------------------------------------------------------------
-    def _requests(self, prompt, input_ids, messages, sampling_params) -> tuple[list[list[int]], list, bool]:
-        if isinstance(prompt, list):
-            prompts = [self.tokenize(prompt=p) for p in prompt]
-            single = False
-        elif input_ids is not None and input_ids and isinstance(input_ids[0], list | tuple):
-            prompts = [self.tokenize(input_ids=list(x)) for x in input_ids]
-            single = False
-        else:
-            prompts = [self.tokenize(prompt=prompt, input_ids=input_ids, messages=messages)]
-            single = True
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError("sampling_params list must match the number of prompts")
-        params = [self._as_params(p) for p in params]
-        for ids, p in zip(prompts, params):
-            self.validate_length(len(ids), p)
-        return prompts, params, single
-
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                  input_ids: list[int] | list[list[int]] | None = None,
                  messages: list[dict] | None = None) -> GenerateOutput | list[GenerateOutput]:
-        prompts, params, single = self._requests(prompt, input_ids, messages, sampling_params)
+        prompts, params, single = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
         results: dict[str, list[StreamDelta]] = {}
         done = queue.SimpleQueue()
 
@@ -279,12 +222,12 @@ class Engine:
             results[rid] = []
             rids.append(self.submit(ids, p, sink, rid=rid))
         self._wait(done, len(rids))
-        outs = [_collect(rid, results[rid]) for rid in rids]
+        outs = [collect_output(rid, results[rid]) for rid in rids]
         return outs[0] if single else outs
 
     def stream(self, prompt: str | None = None, sampling_params: Any = None,
                input_ids: list[int] | None = None, messages: list[dict] | None = None) -> Iterator[StreamDelta]:
-        prompts, params, _ = self._requests(prompt, input_ids, messages, sampling_params)
+        prompts, params, _ = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
         q: queue.SimpleQueue = queue.SimpleQueue()
         rid = self.submit(prompts[0], params[0], q.put)
         finished = False
@@ -345,7 +288,7 @@ class Engine:
             self._loop_thread = None
 
 
-def _collect(rid: str, deltas: list[StreamDelta]) -> GenerateOutput:
+def collect_output(rid: str, deltas: list[StreamDelta]) -> GenerateOutput:
     last = deltas[-1]
     logprobs = None
     if any(d.logprobs is not None for d in deltas):

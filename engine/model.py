@@ -20,9 +20,11 @@ from engine.forward_batch import ForwardBatch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, same math
     dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    x = F.rms_norm(x.float(), weight.shape, None, eps)
     return weight * x.to(dtype)
 
 
@@ -45,9 +47,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = roll(x, half) * [-1.., +1..] folded
+    into `sin_signed` (bit-identical: negation is exact)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class LlamaModel:
@@ -100,8 +103,11 @@ class LlamaModel:
         inv_freq = rope_inv_freq(cfg)
         freqs = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
+        half = cfg.head_dim // 2
+        sin = emb.sin()
+        sin[:, :half] = -sin[:, :half]
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.sin_signed = sin.to(device=device, dtype=dtype)
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.norm.numel()
@@ -113,22 +119,20 @@ class LlamaModel:
         cfg = self.cfg
         h = F.embedding(fb.input_ids, self.embed)
         cos = self.cos[fb.positions].unsqueeze(1)
-        sin = self.sin[fb.positions].unsqueeze(1)
+        sin = self.sin_signed[fb.positions].unsqueeze(1)
+        nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         T, hd = h.shape[0], cfg.head_dim
         residual = h
         for i, layer in enumerate(self.layers):
             x = rms_norm(residual, layer["input_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, cfg.num_attention_heads, hd)
-            k = k.view(T, cfg.num_key_value_heads, hd)
-            v = v.view(T, cfg.num_key_value_heads, hd)
+            qk, v = qkv.view(T, nq + 2 * nkv, hd).split([nq + nkv, nkv], dim=1)
             if cfg.qk_norm:
-                q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            o = attn.forward(q, k, v.contiguous(), i, fb)
+                q, k = qk.split([nq, nkv], dim=1)
+                qk = torch.cat([rms_norm(q, layer["q_norm"], cfg.rms_norm_eps),
+                                rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)], dim=1)
+            q, k = apply_rope(qk, cos, sin).split([nq, nkv], dim=1)  # q and k in one pass
+            o = attn.forward(q, k, v, i, fb)
             residual = residual + F.linear(o.reshape(T, self.q_size), layer["o"])
             x = rms_norm(residual, layer["post_norm"], cfg.rms_norm_eps)
             residual = residual + self._mlp(x, layer)

@@ -81,9 +81,9 @@ def run_staggered(eng: Engine, ids: list[list[int]], params: SamplingParams, eve
             eng.step()
     while eng.step():
         pass
-    from engine.engine import _collect
+    from engine.engine import collect_output
 
-    return [_collect(rid, results[rid]) for rid in order]
+    return [collect_output(rid, results[rid]) for rid in order]
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "stories"])

@@ -1,0 +1,163 @@
+"""Offline batch generation: JSONL in, JSONL out; resumable; a bad line never stops the job.
+
+    python -m cluster batch --input prompts.jsonl --output results.jsonl [--model DIR] [--engines N]
+
+Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, with optional
+OpenAI-named sampling fields. Output lines: {"id", "text", "prompt_tokens",
+"completion_tokens", "cached_tokens", "finish_reason"} or {"id", "error"}."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+import msgspec
+from tqdm import tqdm
+
+from engine import InvalidRequestError, SamplingParams
+
+
+class BatchLine(msgspec.Struct, forbid_unknown_fields=True):
+    id: str | int
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def sampling_params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, stop=tuple(stop), seed=self.seed,
+                              ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m cluster batch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input", required=True, help="JSONL file of requests")
+    ap.add_argument("--output", required=True, help="JSONL results (appended; ids already there are skipped)")
+    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the built-in model)")
+    ap.add_argument("--engines", type=int, default=1)
+    ap.add_argument("--routing", default="cache_aware", choices=["round_robin", "least_load", "cache_aware"])
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--cpus-per-engine", type=float, default=1.0)
+    ap.add_argument("--max-in-flight", type=int, default=256, help="requests submitted at once")
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per engine")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def read_done_ids(path: str) -> set[str]:
+    done: set[str] = set()
+    if os.path.exists(path):
+        with open(path) as f:
+            for raw in f:
+                try:
+                    done.add(str(json.loads(raw)["id"]))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line from an interrupted run: that id runs again
+    return done
+
+
+def parse_line(raw: str, lineno: int) -> tuple[str, BatchLine | None, str | None]:
+    """-> (id, parsed line or None, error or None)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        return f"line-{lineno}", None, f"invalid JSON: {e}"
+    rid = str(obj.get("id", f"line-{lineno}")) if isinstance(obj, dict) else f"line-{lineno}"
+    try:
+        line = msgspec.convert(obj, BatchLine)
+    except msgspec.ValidationError as e:
+        return rid, None, f"invalid fields: {e}"
+    if (line.prompt is None) == (line.messages is None):
+        return rid, None, "give exactly one of prompt or messages"
+    try:
+        line.sampling_params()
+    except InvalidRequestError as e:
+        return rid, None, str(e)
+    return rid, line, None
+
+
+async def run_batch(cluster, lines: list[tuple[str, BatchLine]], out, max_in_flight: int, bar) -> None:
+    sem = asyncio.Semaphore(max_in_flight)
+    t0 = time.monotonic()
+    tokens = 0
+
+    async def one(rid: str, line: BatchLine) -> None:
+        nonlocal tokens
+        async with sem:
+            try:
+                ids = cluster.inputs.tokenize(prompt=line.prompt, messages=line.messages)
+                params = line.sampling_params()
+                cluster.inputs.validate_length(len(ids), params)
+                deltas = [d async for d in cluster.stream_ids(ids, params)]
+                text = "".join(d.text for d in deltas)
+                last = deltas[-1]
+                if last.error:
+                    rec = {"id": rid, "error": last.error}
+                else:
+                    rec = {"id": rid, "text": text, "prompt_tokens": last.prompt_tokens,
+                           "completion_tokens": last.completion_tokens, "cached_tokens": last.cached_tokens,
+                           "finish_reason": last.finish_reason}
+                    tokens += last.completion_tokens
+            except InvalidRequestError as e:
+                rec = {"id": rid, "error": str(e)}
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            out.flush()
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / max(time.monotonic() - t0, 1e-9):.1f}")
+
+    await asyncio.gather(*(one(rid, line) for rid, line in lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    done = read_done_ids(args.output)
+    todo: list[tuple[str, BatchLine]] = []
+    bad: list[dict] = []
+    with open(args.input) as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            rid, line, err = parse_line(raw, lineno)
+            if rid in done:
+                continue
+            if err is not None:
+                bad.append({"id": rid, "error": err})
+            else:
+                todo.append((rid, line))
+    with open(args.output, "a") as out:
+        for rec in bad:
+            out.write(json.dumps(rec) + "\n")
+        print(f"batch: {len(todo)} to run, {len(done)} already done, {len(bad)} invalid line(s)", flush=True)
+        if not todo:
+            return 0
+        from cluster import Cluster, ClusterConfig
+
+        engine = {"max_total_tokens": args.max_total_tokens} if args.max_total_tokens else {}
+        cfg = ClusterConfig(model_path=args.model, num_engines=args.engines, routing=args.routing,
+                            device=args.device, cpus_per_engine=args.cpus_per_engine, engine=engine)
+        cluster = Cluster(cfg)
+        try:
+            with tqdm(total=len(todo), disable=args.no_progress, unit="req") as bar:
+                fut = asyncio.run_coroutine_threadsafe(
+                    run_batch(cluster, todo, out, args.max_in_flight, bar), cluster._loop)
+                fut.result()
+        finally:
+            cluster.shutdown()
+    print(f"batch: wrote {args.output}", flush=True)
+    return 0

@@ -1,0 +1,234 @@
+"""Cluster: N engine actors behind one router, on a new or an existing Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.engine_actor import EngineActor
+from actors.protocol import EngineInfo, GenerateRequest, decode_delta, encode
+from cluster.config import ClusterConfig
+from cluster.routing import Router
+from engine import GenerateOutput, SamplingParams, StreamDelta
+from engine.builtin_model import builtin_model_path
+from engine.config import ModelConfig
+from engine.engine import collect_output
+from engine.inputs import InputProcessor
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("radixray.cluster")
+
+
+def ensure_ray(address: str | None = None) -> bool:
+    """Connect to Ray (address, RAY_ADDRESS) or start a local one. Returns whether we started it."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    ray.init(include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def _error(rid: str, message: str, prompt_tokens: int = 0) -> StreamDelta:
+    return StreamDelta(rid=rid, text="", token_ids=[], finish_reason="abort", prompt_tokens=prompt_tokens,
+                       error=message)
+
+
+class Cluster:
+    def __init__(self, config: ClusterConfig | None = None, **kwargs: Any) -> None:
+        self.config = config if config is not None else ClusterConfig.from_kwargs(**kwargs)
+        cfg = self.config
+        self._owns_ray = ensure_ray(cfg.address)
+        use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
+        self.device = "cuda" if use_gpu else "cpu"
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": cfg.cpus_per_engine}
+        self.pg = placement_group([bundle] * cfg.num_engines, strategy=cfg.placement_strategy)
+        ray.get(self.pg.ready(), timeout=120)
+        engine_cfg = msgspec.structs.asdict(cfg.engine_config(self.device))
+        actor_cls = ray.remote(EngineActor)
+        self.actors = [
+            actor_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=cfg.max_restarts,
+                max_task_retries=0, max_concurrency=10_000,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote(engine_cfg, i)
+            for i in range(cfg.num_engines)
+        ]
+        self.infos: list[EngineInfo] = ray.get([a.info.remote() for a in self.actors], timeout=600)
+        model_path = cfg.model_path or builtin_model_path()
+        model_cfg = ModelConfig.from_dir(model_path)
+        self.tokenizer = Tokenizer(model_path)
+        self.inputs = InputProcessor(self.tokenizer, model_cfg.vocab_size,
+                                     min(i.max_context_len for i in self.infos),
+                                     min(i.max_total_tokens for i in self.infos))
+        self.router = Router(cfg.routing, cfg.num_engines, kv_capacity=min(i.max_total_tokens for i in self.infos))
+        self._lock = threading.Lock()  # guards the router (request loops and the health thread)
+        self._closed = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
+        self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
+        self._health.start()
+
+    # ---- health ----------------------------------------------------------------------------
+    def _health_loop(self) -> None:
+        period = self.config.health_check_period_s
+        while not self._closed.wait(period):
+            refs = [a.heartbeat.remote() for a in self.actors]
+            for i, ref in enumerate(refs):
+                try:
+                    evicted = ray.get(ref, timeout=max(2.0, 5 * period))
+                    ok = True
+                except Exception:  # dead, restarting or hung: out of routing until it answers
+                    evicted, ok = [], False
+                with self._lock:
+                    self.router.set_healthy(i, ok)
+                    if evicted:
+                        self.router.evicted(i, evicted)
+
+    def healthy(self) -> list[bool]:
+        with self._lock:
+            return [ld.healthy for ld in self.router.loads]
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get([a.check_health.remote() for a in self.actors], timeout=5)
+                with self._lock:
+                    for i in range(len(self.actors)):
+                        self.router.set_healthy(i, True)
+                return
+            except Exception:
+                time.sleep(0.2)
+        raise TimeoutError("engines did not become healthy in time")
+
+    # ---- requests --------------------------------------------------------------------------
+    async def stream_ids(self, input_ids: list[int], params: SamplingParams,
+                         rid: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Route one validated request and stream its deltas. Re-routes if its engine dies
+        before a token was streamed; ends with an explicit error if it dies after."""
+        rid = rid or uuid.uuid4().hex
+        cost = len(input_ids) + params.max_new_tokens
+        payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params))
+        deadline = time.monotonic() + self.config.request_timeout_s
+        tried: set[int] = set()
+        while True:
+            with self._lock:
+                idx = self.router.pick(input_ids, cost, exclude=frozenset(tried))
+            if idx is None:
+                yield _error(rid, "no engine available", len(input_ids))
+                return
+            streamed, finished, dead = False, False, False
+            gen = self.actors[idx].generate.remote(payload)
+            try:
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError
+                    ref = await asyncio.wait_for(gen.__anext__(), timeout=remaining)
+                    delta = decode_delta(await ref)
+                    streamed = streamed or bool(delta.token_ids)
+                    finished = delta.finish_reason is not None
+                    yield delta
+                    if finished:
+                        return
+            except StopAsyncIteration:
+                if not finished:
+                    yield _error(rid, "engine stream ended without a result", len(input_ids))
+                return
+            except TimeoutError:
+                yield _error(rid, f"request timed out after {self.config.request_timeout_s}s", len(input_ids))
+                return
+            except ray.exceptions.RayActorError as e:
+                dead = True
+                with self._lock:
+                    self.router.set_healthy(idx, False)
+                if streamed:
+                    yield _error(rid, f"engine {idx} died mid-stream: {type(e).__name__}", len(input_ids))
+                    return
+                tried.add(idx)  # nothing streamed yet: try another engine
+                log.warning("engine %d died before streaming request %s; re-routing", idx, rid)
+            finally:
+                if not finished and not dead:
+                    self.actors[idx].abort.remote(rid)  # the consumer went away: free its KV
+                with self._lock:
+                    self.router.done(idx, cost)
+
+    async def stream(self, prompt: str | None = None, sampling_params: Any = None,
+                     input_ids: list[int] | None = None, messages: list[dict] | None = None,
+                     rid: str | None = None) -> AsyncIterator[StreamDelta]:
+        prompts, params, _ = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
+        async for delta in self.stream_ids(prompts[0], params[0], rid):
+            yield delta
+
+    async def generate_async(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+                             messages: Any = None) -> GenerateOutput | list[GenerateOutput]:
+        prompts, params, single = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
+
+        async def one(ids: list[int], p: SamplingParams) -> GenerateOutput:
+            rid = uuid.uuid4().hex
+            return collect_output(rid, [d async for d in self.stream_ids(ids, p, rid)])
+
+        outs = await asyncio.gather(*(one(ids, p) for ids, p in zip(prompts, params)))
+        return outs[0] if single else list(outs)
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+                 messages: Any = None) -> GenerateOutput | list[GenerateOutput]:
+        """Same shapes as Engine.generate; blocks the calling thread."""
+        prompts = self.inputs.prepare(prompt, input_ids, messages, sampling_params)  # errors raise here
+        del prompts
+        fut = asyncio.run_coroutine_threadsafe(
+            self.generate_async(prompt, sampling_params, input_ids, messages), self._loop)
+        return fut.result()
+
+    # ---- introspection ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        refs = [a.stats.remote() for a in self.actors]
+        engines = []
+        healthy = self.healthy()
+        for i, ref in enumerate(refs):
+            try:
+                s = ray.get(ref, timeout=10)
+                s["healthy"] = s.get("healthy", True) and healthy[i]
+            except Exception:
+                s = {"engine_id": i, "healthy": False, "waiting": 0, "running": 0, "kv_used": 0,
+                     "kv_total": self.infos[i].max_total_tokens, "cached_tokens": 0,
+                     "generated_tokens": 0, "batches_by_mode": {}}
+            engines.append(s)
+        with self._lock:
+            routing = self.router.stats()
+        return {"engines": engines, "routing": routing}
+
+    def check_memory(self) -> list[dict]:
+        """Every engine's idle memory invariant (waits for idleness; raises if broken)."""
+        return ray.get([a.check_memory.remote() for a in self.actors], timeout=120)
+
+    def shutdown(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        remove_placement_group(self.pg)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,61 @@
+"""ClusterConfig: the cluster as a whole (frozen, validated; CLI flags and YAML share its names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from cluster.routing import POLICIES
+from engine import EngineConfig
+from engine.errors import ConfigError
+
+
+class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model_path: str | None = None
+    num_engines: int = 1
+    routing: str = "cache_aware"
+    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when the Ray cluster has GPUs)
+    cpus_per_engine: float = 1.0
+    torch_threads_per_engine: int | None = None  # default: cpus_per_engine rounded up
+    placement_strategy: str = "PACK"
+    max_restarts: int = -1  # Ray restarts a dead engine actor (-1: forever)
+    request_timeout_s: float = 600.0
+    health_check_period_s: float = 1.0
+    engine: dict[str, Any] = {}  # EngineConfig overrides, with EngineConfig's field names
+    dp_attention: bool = False
+    dp_group_size: int | None = None
+    address: str | None = None  # Ray address; None: RAY_ADDRESS or a new local cluster
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ConfigError("num_engines must be >= 1")
+        if self.routing not in POLICIES:
+            raise ConfigError(f"routing must be one of {POLICIES}, got {self.routing!r}")
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ConfigError(f"placement_strategy {self.placement_strategy!r} is not a Ray strategy")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("device must be auto, cpu or cuda")
+        if self.cpus_per_engine <= 0:
+            raise ConfigError("cpus_per_engine must be > 0")
+        for key in ("model_path", "device", "torch_threads"):
+            if key in self.engine:
+                raise ConfigError(f"set {key!r} on the cluster, not in engine overrides")
+        self.engine_config()  # validates the overrides' names and values now
+        if self.dp_group_size is not None and (self.dp_group_size < 1 or self.num_engines % self.dp_group_size):
+            raise ConfigError("dp_group_size must divide num_engines")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ClusterConfig:
+        unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
+        if unknown:
+            raise ConfigError(f"unknown cluster config field(s): {', '.join(unknown)}")
+        try:
+            return msgspec.convert(kwargs, cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"invalid cluster config: {e}") from None
+
+    def engine_config(self, device: str | None = None) -> EngineConfig:
+        threads = self.torch_threads_per_engine or max(1, int(-(-self.cpus_per_engine // 1)))
+        return EngineConfig.from_kwargs(**{**self.engine, "model_path": self.model_path,
+                                           "device": device or self.device, "torch_threads": threads})

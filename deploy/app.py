@@ -1,0 +1,322 @@
+"""The OpenAI-compatible HTTP app: a Ray Serve FastAPI ingress in front of the engine actors.
+
+`build_app(args)` is the import path for `serve run` / `serve deploy` / RayService
+(`deploy.app:build_app`); `python -m cluster serve` calls it too."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+
+from cluster import Cluster, ClusterConfig
+from deploy.metrics import ServerMetrics
+from deploy.protocol import ChatCompletionRequest, CompletionRequest
+from engine import EngineConfig, InvalidRequestError, SamplingParams, StreamDelta
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+class AppArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the app is built from: ClusterConfig's fields, EngineConfig's fields (flat or under
+    `engine`), and the HTTP options."""
+
+    model_path: str | None = None
+    num_engines: int = 1
+    routing: str = "cache_aware"
+    device: str = "auto"
+    cpus_per_engine: float = 1.0
+    torch_threads_per_engine: int | None = None
+    placement_strategy: str = "PACK"
+    request_timeout_s: float = 600.0
+    dp_attention: bool = False
+    dp_group_size: int | None = None
+    engine: dict[str, Any] = {}
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    default_max_tokens: int = 256
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any] | None) -> AppArgs:
+        args = dict(args or {})
+        engine_fields = set(EngineConfig.__struct_fields__) - {"model_path", "device", "torch_threads"}
+        engine = dict(args.pop("engine", None) or {})
+        for key in list(args):
+            if key in engine_fields:
+                engine[key] = args.pop(key)
+        if args.get("api_key") is None and os.environ.get("RADIXRAY_API_KEY"):
+            args["api_key"] = os.environ["RADIXRAY_API_KEY"]
+        return msgspec.convert({**args, "engine": engine}, cls)
+
+    def cluster_config(self) -> ClusterConfig:
+        fields = set(ClusterConfig.__struct_fields__)
+        return ClusterConfig.from_kwargs(**{k: v for k, v in msgspec.structs.asdict(self).items() if k in fields})
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+def _param_of(err: msgspec.ValidationError) -> str | None:
+    text = str(err)  # e.g. "Expected `float`, got `str` - at `$.temperature`"
+    if "at `$." in text:
+        return text.split("at `$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    return None
+
+
+app = FastAPI(title="radixray", description="OpenAI-compatible API over radixray engine actors")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+@serve.ingress(app)
+class OpenAIServer:
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        self.args = AppArgs.from_dict(args)
+        self.cluster = Cluster(self.args.cluster_config())
+        self.model_name = self.args.served_model_name or (
+            os.path.basename(os.path.normpath(self.args.model_path)) if self.args.model_path else "radixray-builtin")
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+
+    # ---- plumbing --------------------------------------------------------------------------
+    async def _read(self, request: Request, schema: type) -> Any:
+        """Size, auth and body checks; returns the parsed body or an error response."""
+        if self.args.api_key is not None:
+            auth = request.headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.args.api_key.encode()):
+                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.args.max_body_bytes:
+            return error_response(413, f"request body over {self.args.max_body_bytes} bytes", code="body_too_large")
+        body = await request.body()
+        if len(body) > self.args.max_body_bytes:
+            return error_response(413, f"request body over {self.args.max_body_bytes} bytes", code="body_too_large")
+        try:
+            parsed = msgspec.json.decode(body, type=schema)
+        except msgspec.ValidationError as e:
+            return error_response(400, f"invalid request: {e}", param=_param_of(e))
+        except msgspec.DecodeError as e:
+            return error_response(400, f"malformed JSON body: {e}")
+        if parsed.model is not None and parsed.model != self.model_name:
+            return error_response(404, f"model {parsed.model!r} does not exist (serving {self.model_name!r})",
+                                  code="model_not_found")
+        return parsed
+
+    def _no_engine(self) -> JSONResponse | None:
+        if not any(self.cluster.healthy()):
+            return error_response(503, "no engine is available", "server_error", code="no_engine")
+        return None
+
+    async def _merged(self, inputs: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """Stream several prompts at once: (choice index, delta) as they come."""
+        if len(inputs) == 1:
+            async for d in self.cluster.stream_ids(inputs[0], params):
+                yield 0, d
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for d in self.cluster.stream_ids(ids, params):
+                    await queue.put((i, d))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(inputs)]
+        try:
+            live = len(tasks)
+            while live:
+                i, d = await queue.get()
+                if d is None:
+                    live -= 1
+                else:
+                    yield i, d
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _record(self, deltas: list[StreamDelta]) -> None:
+        last = deltas[-1]
+        status = "ok" if not last.error else ("aborted" if last.finish_reason == "abort" else "error")
+        self.metrics.requests[status] += 1
+        self.metrics.prompt_tokens += last.prompt_tokens
+        self.metrics.generation_tokens += sum(len(d.token_ids) for d in deltas)
+
+    def _token_str(self, token_id: int) -> str:
+        return self.cluster.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _usage(self, finals: list[StreamDelta]) -> dict:
+        prompt = sum(d.prompt_tokens for d in finals)
+        completion = sum(d.completion_tokens for d in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in finals)}}
+
+    # ---- endpoints -------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> Response:
+        healthy = self.cluster.healthy()
+        status = 200 if all(healthy) else 503
+        return JSONResponse({"healthy": all(healthy), "engines": healthy}, status_code=status)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        if self.args.api_key is not None:
+            auth = request.headers.get("authorization", "")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {self.args.api_key}".encode()):
+                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "radixray",
+             "max_model_len": self.cluster.inputs.max_len}]})
+
+    @app.get("/metrics")
+    async def metrics_endpoint(self) -> Response:
+        stats = await asyncio.to_thread(self.cluster.stats)
+        return PlainTextResponse(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        req = await self._read(request, CompletionRequest)
+        if isinstance(req, Response):
+            self.metrics.requests["invalid"] += 1
+            return req
+        try:
+            params = req.sampling(self.args.default_max_tokens)
+            inputs = [self.cluster.inputs.tokenize(**p) for p in req.prompts()]
+            for ids in inputs:
+                self.cluster.inputs.validate_length(len(ids), params)
+        except InvalidRequestError as e:
+            self.metrics.requests["invalid"] += 1
+            return error_response(400, str(e), param=e.param)
+        if (busy := self._no_engine()) is not None:
+            return busy
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await self._respond(req, rid, "text_completion", inputs, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        req = await self._read(request, ChatCompletionRequest)
+        if isinstance(req, Response):
+            self.metrics.requests["invalid"] += 1
+            return req
+        try:
+            params = req.sampling(self.args.default_max_tokens)
+            ids = self.cluster.inputs.tokenize(messages=req.message_dicts())
+            self.cluster.inputs.validate_length(len(ids), params)
+        except InvalidRequestError as e:
+            self.metrics.requests["invalid"] += 1
+            return error_response(400, str(e), param=e.param)
+        if (busy := self._no_engine()) is not None:
+            return busy
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._respond(req, rid, "chat.completion", [ids], params, chat=True)
+
+    # ---- responses ---------------------------------------------------------------------------
+    def _logprobs(self, deltas: list[StreamDelta], chat: bool) -> dict | None:
+        lps = [lp for d in deltas for lp in (d.logprobs or [])]
+        if not any(d.logprobs is not None for d in deltas):
+            return None
+        if chat:
+            return {"content": [{
+                "token": self._token_str(lp.token_id), "logprob": lp.logprob,
+                "bytes": list(self._token_str(lp.token_id).encode()),
+                "top_logprobs": [{"token": self._token_str(t), "logprob": v, "bytes": list(self._token_str(t).encode())}
+                                 for t, v in lp.top_logprobs]} for lp in lps]}
+        return {"tokens": [self._token_str(lp.token_id) for lp in lps],
+                "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token_str(t): v for t, v in lp.top_logprobs} for lp in lps],
+                "text_offset": []}
+
+    async def _respond(self, req, rid: str, obj: str, inputs: list[list[int]], params: SamplingParams,
+                       chat: bool) -> Response:
+        if req.stream:
+            return StreamingResponse(self._sse(req, rid, inputs, params, chat), media_type="text/event-stream")
+        t0 = time.monotonic()
+        per_choice: list[list[StreamDelta]] = [[] for _ in inputs]
+        async for i, d in self._merged(inputs, params):
+            if not per_choice[i] and d.token_ids:
+                self.metrics.ttft.observe(time.monotonic() - t0)
+            per_choice[i].append(d)
+        finals = [c[-1] for c in per_choice]
+        for c in per_choice:
+            self._record(c)
+        failed = next((f for f in finals if f.error), None)
+        if failed is not None:
+            return error_response(503, f"generation failed: {failed.error}", "server_error", code="engine_error")
+        choices = []
+        for i, deltas in enumerate(per_choice):
+            text = "".join(d.text for d in deltas)
+            choice: dict[str, Any] = {"index": i, "finish_reason": deltas[-1].finish_reason,
+                                      "logprobs": self._logprobs(deltas, chat)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "usage": self._usage(finals)})
+
+    async def _sse(self, req, rid: str, inputs: list[list[int]], params: SamplingParams,
+                   chat: bool) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        t0 = time.monotonic()
+        last_token_at: dict[int, float] = {}
+        per_choice: list[list[StreamDelta]] = [[] for _ in inputs]
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+        if chat:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for i, d in self._merged(inputs, params):
+            per_choice[i].append(d)
+            now = time.monotonic()
+            if d.token_ids:
+                if i in last_token_at:
+                    self.metrics.itl.observe(now - last_token_at[i])
+                else:
+                    self.metrics.ttft.observe(now - t0)
+                last_token_at[i] = now
+            if d.error:
+                yield b"data: " + msgspec.json.encode({"error": {
+                    "message": f"generation failed: {d.error}", "type": "server_error", "param": None,
+                    "code": "engine_error"}}) + b"\n\n"
+                continue
+            if not d.text and d.finish_reason is None:
+                continue
+            lp = self._logprobs([d], chat)
+            if chat:
+                c = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                     "finish_reason": d.finish_reason}
+            else:
+                c = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            yield chunk([c])
+        for c in per_choice:
+            if c:
+                self._record(c)
+        if req.include_usage:
+            yield chunk([], self._usage([c[-1] for c in per_choice if c]))
+        yield b"data: [DONE]\n\n"
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """Serve app builder: `serve run deploy.app:build_app num_engines=2 ...` or serve_config.yaml."""
+    AppArgs.from_dict(args)  # validate before anything starts
+    return OpenAIServer.bind(dict(args or {}))

@@ -1,0 +1,65 @@
+"""Prometheus text exposition, written by hand (no global registry: several apps per process)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        acc = 0
+        for bound, count in zip(self.buckets, self.counts):
+            acc += count
+            lines.append(f'{name}_bucket{{le="{bound}"}} {acc}')
+        acc += self.counts[-1]
+        lines += [f'{name}_bucket{{le="+Inf"}} {acc}', f"{name}_sum {self.sum}", f"{name}_count {acc}"]
+        return lines
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.requests: Counter[str] = Counter()  # by final status: ok, error, aborted, invalid
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.ttft = Histogram()
+        self.itl = Histogram()
+
+    def render(self, cluster_stats: dict) -> str:
+        lines = ["# HELP radixray_requests_total Requests by final status.", "# TYPE radixray_requests_total counter"]
+        for status in ("ok", "error", "aborted", "invalid"):
+            lines.append(f'radixray_requests_total{{status="{status}"}} {self.requests[status]}')
+        lines += ["# HELP radixray_prompt_tokens_total Prompt tokens of finished requests.",
+                  "# TYPE radixray_prompt_tokens_total counter", f"radixray_prompt_tokens_total {self.prompt_tokens}",
+                  "# HELP radixray_generation_tokens_total Generated tokens.",
+                  "# TYPE radixray_generation_tokens_total counter",
+                  f"radixray_generation_tokens_total {self.generation_tokens}"]
+        lines += self.ttft.render("radixray_time_to_first_token_seconds", "Time to first token.")
+        lines += self.itl.render("radixray_inter_token_latency_seconds", "Time between streamed tokens.")
+        gauges = {
+            "radixray_engine_waiting_requests": ("Requests queued in the engine.", lambda e: e.get("waiting", 0)),
+            "radixray_engine_running_requests": ("Requests decoding in the engine.", lambda e: e.get("running", 0)),
+            "radixray_engine_kv_usage_ratio": ("KV slots held by requests / total.",
+                                               lambda e: e.get("kv_used", 0) / max(e.get("kv_total", 1), 1)),
+            "radixray_engine_cache_hit_rate": ("Prompt tokens served from the radix cache.",
+                                               lambda e: e.get("cached_tokens", 0) / max(e.get("prompt_tokens", 0), 1)),
+            "radixray_engine_healthy": ("1 when the engine answers health checks.",
+                                        lambda e: int(bool(e.get("healthy")))),
+        }
+        for name, (help_text, get) in gauges.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+            for i, eng in enumerate(cluster_stats.get("engines", [])):
+                lines.append(f'{name}{{engine="{i}"}} {get(eng)}')
+        return "\n".join(lines) + "\n"

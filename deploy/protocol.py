@@ -1,0 +1,117 @@
+"""OpenAI request bodies (msgspec) and how they map to SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine import InvalidRequestError, SamplingParams
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI does."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    user: str | None = None
+    skip_special_tokens: bool = True
+
+    def to_sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                    default_max_tokens: int) -> SamplingParams:
+        if self.n != 1:
+            raise InvalidRequestError("only n=1 is supported", "n")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(
+            max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        if self.echo:
+            raise InvalidRequestError("echo is not supported", "echo")
+        n = self.logprobs or 0
+        return self.to_sampling(self.max_tokens, self.logprobs is not None, n, default_max_tokens)
+
+    def prompts(self) -> list[dict[str, Any]]:
+        """One dict of Engine-style input per choice."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if not p:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        if all(isinstance(x, str) for x in p):
+            return [{"prompt": x} for x in p]
+        if all(isinstance(x, int) for x in p):
+            return [{"input_ids": list(p)}]
+        if all(isinstance(x, list) for x in p):
+            return [{"input_ids": x} for x in p]
+        raise InvalidRequestError("prompt must be a string, a list of strings or token ids", "prompt")
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise InvalidRequestError("only text content parts are supported", "messages")
+            content = "".join(part.text or "" for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.to_sampling(max_tokens, self.logprobs, self.top_logprobs or 0, default_max_tokens)
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        return [m.as_dict() for m in self.messages]
