@@ -38,7 +38,8 @@ def ensure_ray(address: str | None = None) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
-    ray.init(include_dashboard=False, log_to_driver=False)
+    # "local": always a new private cluster, never one found through /tmp/ray by accident.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     return True
 
 

@@ -120,6 +120,7 @@ class Router:
     kv_capacity: int = 1 << 16
     balance_abs_threshold: int = 8  # requests
     balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.3  # share of the prompt that must match to follow the cache
     loads: list[EngineLoad] = field(default_factory=list)
     decisions: Counter = field(default_factory=Counter)
     matched_tokens: int = 0
@@ -161,8 +162,10 @@ class Router:
         reqs = [self.loads[i].requests for i in candidates]
         if max(reqs) - min(reqs) > self.balance_abs_threshold and max(reqs) > self.balance_rel_threshold * max(min(reqs), 1):
             return self.least_loaded(candidates)
-        best = max(candidates, key=lambda i: (self.trees[i].match(input_ids), -self.loads[i].requests, -i))
-        if self.trees[best].match(input_ids) == 0:
+        matches = {i: self.trees[i].match(input_ids) for i in candidates}
+        best = max(candidates, key=lambda i: (matches[i], -self.loads[i].requests, -i))
+        # A short match (a BOS token, a common template head) is no reason to pile up on one engine.
+        if matches[best] < self.cache_threshold * len(input_ids):
             return self.least_loaded(candidates)
         return best
 

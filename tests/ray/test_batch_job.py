@@ -1,0 +1,93 @@
+"""The batch job through a real `ray job submit` on a local `ray start --head` cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, STORIES
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    port, dash = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Ray's token auth: one random token shared by the head and the job CLI.
+    env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    log = open(tmp_path_factory.mktemp("ray-head") / "head.log", "w")
+    # --block: the head lives exactly as long as this process; SIGTERM stops all of it.
+    proc = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                             "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{dash}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        r = subprocess.run([ray_bin, "job", "list", "--address", url], env=env, capture_output=True)
+        if r.returncode == 0:
+            break
+        time.sleep(1)
+    else:
+        proc.terminate()
+        pytest.fail("ray head did not come up")
+    yield url, env, ray_bin
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def submit(ray_head, *args: str) -> subprocess.CompletedProcess:
+    url, env, ray_bin = ray_head
+    cmd = [ray_bin, "job", "submit", "--address", url, "--working-dir", str(ROOT), "--",
+           "python", "-m", "cluster", "batch", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_batch_job_via_ray_job_submit(ray_head, tmp_path):
+    inp, out = tmp_path / "prompts.jsonl", tmp_path / "results.jsonl"
+    lines = [
+        json.dumps({"id": "a", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}),
+        json.dumps({"id": "b", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8,
+                    "temperature": 0.7, "seed": 3}),
+        "{not json",
+        json.dumps({"id": "c", "prompt": "The cat", "temperature": "hot"}),
+        json.dumps({"id": "d", "prompt": "Lily", "max_tokens": 12, "stop": ["."], "temperature": 0}),
+        json.dumps({"id": "e", "prompt": "Tom", "max_tokens": 10, "top_p": 0.9, "top_k": 20, "ignore_eos": True}),
+    ]
+    inp.write_text("\n".join(lines) + "\n")
+    args = ["--input", str(inp), "--output", str(out), "--model", str(STORIES), "--no-progress"]
+    r = submit(ray_head, *args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = {rec["id"]: rec for rec in map(json.loads, out.read_text().splitlines())}
+    assert set(recs) == {"a", "b", "line-3", "c", "d", "e"}
+    assert recs["a"]["text"].startswith(", there was a little girl") and recs["a"]["finish_reason"] == "length"
+    assert recs["a"]["completion_tokens"] == 16 and recs["a"]["prompt_tokens"] == 5
+    assert "invalid JSON" in recs["line-3"]["error"] and "invalid fields" in recs["c"]["error"]
+    assert "." not in recs["d"]["text"]
+    assert recs["e"]["completion_tokens"] == 10
+
+    # Resume: drop two results; a re-run computes exactly those and nothing twice.
+    kept = [ln for ln in out.read_text().splitlines() if json.loads(ln)["id"] not in ("a", "e")]
+    out.write_text("\n".join(kept) + "\n")
+    r = submit(ray_head, *args)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "2 to run, 4 already done" in r.stdout
+    ids = [json.loads(ln)["id"] for ln in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(["a", "b", "line-3", "c", "d", "e"])
+    again = {rec["id"]: rec for rec in map(json.loads, out.read_text().splitlines())}
+    assert again["a"]["text"] == recs["a"]["text"]

@@ -1,0 +1,95 @@
+"""The Ray cluster: engine actors, routing, faults. Real Ray, CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+from cluster import Cluster, ClusterConfig
+from engine import Engine, SamplingParams
+
+pytestmark = pytest.mark.ray
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def test_two_engines_match_single_engine(ray_local, model_dirs):
+    path = model_dirs["stories"]
+    prompts = ["Once upon a time", "The cat sat", "Lily had a red ball", "Tom and Sue went", "It was a sunny day",
+               "The little dog", "One day, a bird", "Mom said"]
+    ref = Engine(model_path=path).generate(prompt=prompts, sampling_params=GREEDY)
+    with Cluster(ClusterConfig(model_path=path, num_engines=2, routing="round_robin")) as cl:
+        outs = cl.generate(prompt=prompts, sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+        assert [o.text for o in outs] == [r.text for r in ref]
+        stats = cl.stats()
+        assert [e["generated_tokens"] > 0 for e in stats["engines"]] == [True, True]
+        assert stats["routing"]["decisions"] == [4, 4]
+        assert all(e["healthy"] and e["batches_by_mode"]["DECODE"] > 0 for e in stats["engines"])
+        for s in cl.check_memory():
+            assert s["kv_used"] == 0
+
+
+def _tenant_workload(n_tenants: int = 7, per: int = 4, prefix_len: int = 200, seed: int = 0):
+    rng = random.Random(seed)
+    prefixes = [[1] + [rng.randrange(5, 500) for _ in range(prefix_len)] for _ in range(n_tenants)]
+    # Interleaved: every wave has one request of each tenant.
+    return [[prefixes[t] + [rng.randrange(5, 500) for _ in range(8)] for t in range(n_tenants)] for _ in range(per)]
+
+
+def _hit_rate(policy: str, path: str) -> float:
+    waves = _tenant_workload()
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    # 7 tenants (odd, so round robin moves each tenant between engines every wave); each engine
+    # holds about half of the prefixes.
+    cfg = ClusterConfig(model_path=path, num_engines=2, routing=policy, engine={"max_total_tokens": 1000})
+    with Cluster(cfg) as cl:
+        for wave in waves:
+            cl.generate(input_ids=wave, sampling_params=params)
+        stats = cl.stats()
+        cl.check_memory()
+    cached = sum(e["cached_tokens"] for e in stats["engines"])
+    prompt = sum(e["prompt_tokens"] for e in stats["engines"])
+    return cached / prompt
+
+
+def test_cache_aware_beats_round_robin(ray_local, model_dirs):
+    aware = _hit_rate("cache_aware", model_dirs["stories"])
+    rr = _hit_rate("round_robin", model_dirs["stories"])
+    assert aware >= 2 * rr, (aware, rr)
+    assert aware > 0.5
+
+
+def test_engine_killed_under_load(ray_local, model_dirs):
+    cfg = ClusterConfig(model_path=model_dirs["stories"], num_engines=2, routing="round_robin",
+                        request_timeout_s=120, health_check_period_s=0.5)
+    with Cluster(cfg) as cl:
+        params = SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True)
+
+        async def run_all():
+            async def one(i):
+                deltas = [d async for d in cl.stream(prompt=f"Story {i}: once upon a time", sampling_params=params)]
+                return deltas[-1]
+
+            tasks = [asyncio.create_task(one(i)) for i in range(12)]
+            await asyncio.sleep(1.0)
+            ray.kill(cl.actors[0], no_restart=False)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
+
+        finals = asyncio.run_coroutine_threadsafe(run_all(), cl._loop).result()
+        assert len(finals) == 12
+        for f in finals:  # every request ended: full output, or an explicit error
+            assert f.finish_reason in ("length", "abort")
+            assert (f.finish_reason == "length" and f.error is None) or f.error
+        assert any(f.error for f in finals) and any(f.error is None for f in finals)
+        cl.wait_healthy(timeout_s=120)
+        deadline = time.monotonic() + 30
+        while not all(cl.healthy()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(cl.healthy())
+        again = cl.generate(prompt=["Once upon a time"] * 4, sampling_params=GREEDY)
+        assert len({tuple(o.token_ids) for o in again}) == 1 and all(o.error is None for o in again)
+        cl.check_memory()
