@@ -74,13 +74,14 @@ class EngineActor:
         self._evicted.clear()
         return out
 
-    def check_memory(self, timeout_s: float = 30.0) -> dict:
-        """Wait until the engine is idle, then check its memory invariant (raises if broken)."""
+    async def check_memory(self, timeout_s: float = 60.0) -> dict:
+        """Wait until the engine is idle, then check its memory invariant (raises if broken).
+        Async: a blocking wait would hold the actor's event loop and starve abort() calls."""
         deadline = time.monotonic() + timeout_s
         while self.engine.scheduler.has_work() or not self.engine._inbox.empty():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {self.engine_id} still busy after {timeout_s}s")
-            time.sleep(0.02)
+            await asyncio.sleep(0.02)
         self.engine.check_memory()
         return self.engine.stats()
 

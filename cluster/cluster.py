@@ -28,6 +28,7 @@ from engine.inputs import InputProcessor
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("radixray.cluster")
+ACTOR_NAMESPACE = "radixray"
 
 
 def ensure_ray(address: str | None = None) -> bool:
@@ -60,8 +61,12 @@ class Cluster:
         ray.get(self.pg.ready(), timeout=120)
         engine_cfg = msgspec.structs.asdict(cfg.engine_config(self.device))
         actor_cls = ray.remote(EngineActor)
+        # Named (in namespace "radixray") so operators and tests can find a cluster's engines.
+        self.cluster_id = uuid.uuid4().hex[:8]
+        self.actor_names = [f"radixray-{self.cluster_id}-engine-{i}" for i in range(cfg.num_engines)]
         self.actors = [
             actor_cls.options(
+                name=self.actor_names[i], namespace=ACTOR_NAMESPACE, lifetime=None,
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=cfg.max_restarts,
                 max_task_retries=0, max_concurrency=10_000,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
@@ -78,6 +83,7 @@ class Cluster:
         self.router = Router(cfg.routing, cfg.num_engines, kv_capacity=min(i.max_total_tokens for i in self.infos))
         self._lock = threading.Lock()  # guards the router (request loops and the health thread)
         self._closed = threading.Event()
+        self._where: dict[str, int] = {}  # request id -> engine, while in flight
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
         self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
@@ -133,6 +139,7 @@ class Cluster:
                 yield _error(rid, "no engine available", len(input_ids))
                 return
             streamed, finished, dead = False, False, False
+            self._where[rid] = idx
             gen = self.actors[idx].generate.remote(payload)
             try:
                 while True:
@@ -165,8 +172,15 @@ class Cluster:
             finally:
                 if not finished and not dead:
                     self.actors[idx].abort.remote(rid)  # the consumer went away: free its KV
+                self._where.pop(rid, None)
                 with self._lock:
                     self.router.done(idx, cost)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request in flight (its engine frees its KV); unknown ids are ignored."""
+        idx = self._where.get(rid)
+        if idx is not None:
+            self.actors[idx].abort.remote(rid)
 
     async def stream(self, prompt: str | None = None, sampling_params: Any = None,
                      input_ids: list[int] | None = None, messages: list[dict] | None = None,

@@ -3,7 +3,6 @@
 `build_app(args)` is the import path for `serve run` / `serve deploy` / RayService
 (`deploy.app:build_app`); `python -m cluster serve` calls it too."""
 
-from __future__ import annotations
 
 import asyncio
 import hmac
@@ -47,7 +46,7 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     default_max_tokens: int = 256
 
     @classmethod
-    def from_dict(cls, args: dict[str, Any] | None) -> AppArgs:
+    def from_dict(cls, args: dict[str, Any] | None) -> "AppArgs":
         args = dict(args or {})
         engine_fields = set(EngineConfig.__struct_fields__) - {"model_path", "device", "torch_threads"}
         engine = dict(args.pop("engine", None) or {})
@@ -120,17 +119,15 @@ class OpenAIServer:
             return error_response(503, "no engine is available", "server_error", code="no_engine")
         return None
 
-    async def _merged(self, inputs: list[list[int]], params: SamplingParams) -> AsyncIterator[tuple[int, StreamDelta]]:
+    async def _merged(self, request: Request, rid: str, inputs: list[list[int]],
+                      params: SamplingParams) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Stream several prompts at once: (choice index, delta) as they come."""
-        if len(inputs) == 1:
-            async for d in self.cluster.stream_ids(inputs[0], params):
-                yield 0, d
-            return
         queue: asyncio.Queue = asyncio.Queue()
+        rids = [f"{rid}-{i}" for i in range(len(inputs))]
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async for d in self.cluster.stream_ids(ids, params):
+                async for d in self.cluster.stream_ids(ids, params, rids[i]):
                     await queue.put((i, d))
             finally:
                 await queue.put((i, None))
@@ -144,7 +141,7 @@ class OpenAIServer:
                     live -= 1
                 else:
                     yield i, d
-        finally:
+        finally:  # also on a client disconnect (Serve cancels us): stream_ids aborts in-flight work
             for t in tasks:
                 t.cancel()
 
@@ -169,7 +166,8 @@ class OpenAIServer:
     async def health(self) -> Response:
         healthy = self.cluster.healthy()
         status = 200 if all(healthy) else 503
-        return JSONResponse({"healthy": all(healthy), "engines": healthy}, status_code=status)
+        return JSONResponse({"healthy": all(healthy), "engines": healthy,
+                             "engine_actors": self.cluster.actor_names}, status_code=status)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -203,7 +201,7 @@ class OpenAIServer:
         if (busy := self._no_engine()) is not None:
             return busy
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await self._respond(req, rid, "text_completion", inputs, params, chat=False)
+        return await self._respond(request, req, rid, "text_completion", inputs, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -221,7 +219,7 @@ class OpenAIServer:
         if (busy := self._no_engine()) is not None:
             return busy
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._respond(req, rid, "chat.completion", [ids], params, chat=True)
+        return await self._respond(request, req, rid, "chat.completion", [ids], params, chat=True)
 
     # ---- responses ---------------------------------------------------------------------------
     def _logprobs(self, deltas: list[StreamDelta], chat: bool) -> dict | None:
@@ -239,13 +237,14 @@ class OpenAIServer:
                 "top_logprobs": [{self._token_str(t): v for t, v in lp.top_logprobs} for lp in lps],
                 "text_offset": []}
 
-    async def _respond(self, req, rid: str, obj: str, inputs: list[list[int]], params: SamplingParams,
+    async def _respond(self, request: Request, req, rid: str, obj: str, inputs: list[list[int]], params: SamplingParams,
                        chat: bool) -> Response:
         if req.stream:
-            return StreamingResponse(self._sse(req, rid, inputs, params, chat), media_type="text/event-stream")
+            return StreamingResponse(self._sse(request, req, rid, inputs, params, chat),
+                                     media_type="text/event-stream")
         t0 = time.monotonic()
         per_choice: list[list[StreamDelta]] = [[] for _ in inputs]
-        async for i, d in self._merged(inputs, params):
+        async for i, d in self._merged(request, rid, inputs, params):
             if not per_choice[i] and d.token_ids:
                 self.metrics.ttft.observe(time.monotonic() - t0)
             per_choice[i].append(d)
@@ -268,7 +267,7 @@ class OpenAIServer:
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
                              "choices": choices, "usage": self._usage(finals)})
 
-    async def _sse(self, req, rid: str, inputs: list[list[int]], params: SamplingParams,
+    async def _sse(self, request: Request, req, rid: str, inputs: list[list[int]], params: SamplingParams,
                    chat: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -285,7 +284,7 @@ class OpenAIServer:
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        async for i, d in self._merged(inputs, params):
+        async for i, d in self._merged(request, rid, inputs, params):
             per_choice[i].append(d)
             now = time.monotonic()
             if d.token_ids:

@@ -54,7 +54,7 @@ class _Common(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[Any]  # a string, strings, token ids, or lists of token ids (checked below)
     logprobs: int | None = None
     echo: bool = False
 
@@ -73,9 +73,9 @@ class CompletionRequest(_Common, kw_only=True):
             raise InvalidRequestError("prompt must not be empty", "prompt")
         if all(isinstance(x, str) for x in p):
             return [{"prompt": x} for x in p]
-        if all(isinstance(x, int) for x in p):
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
             return [{"input_ids": list(p)}]
-        if all(isinstance(x, list) for x in p):
+        if all(isinstance(x, list) and x and all(isinstance(t, int) for t in x) for x in p):
             return [{"input_ids": x} for x in p]
         raise InvalidRequestError("prompt must be a string, a list of strings or token ids", "prompt")
 

@@ -93,6 +93,7 @@ class Engine:
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._trackers: dict[str, _Tracker] = {}
+        self._early_aborts: dict[str, None] = {}  # insertion-ordered, bounded
         self._step_lock = threading.Lock()
         self._loop_thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -134,13 +135,22 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                if item.req.rid in self._trackers:
-                    item.sink(self._error_delta(item.req, f"duplicate request id {item.req.rid!r}"))
+                rid = item.req.rid
+                if rid in self._trackers:
+                    item.sink(self._error_delta(item.req, f"duplicate request id {rid!r}"))
                     continue
-                self._trackers[item.req.rid] = item
+                if self._early_aborts.pop(rid, None) is not None:  # its abort overtook it
+                    item.sink(self._error_delta(item.req, "aborted before it started"))
+                    continue
+                self._trackers[rid] = item
                 self.scheduler.add_request(item.req)
-            else:
+            elif item[0] in self._trackers:
                 self.scheduler.abort_request(*item)
+            else:
+                # An abort can overtake its request across actor calls: remember it a while.
+                self._early_aborts[item[0]] = None
+                while len(self._early_aborts) > 1024:
+                    self._early_aborts.pop(next(iter(self._early_aborts)))
 
     def step(self) -> bool:
         """One scheduler step plus output delivery. Returns whether any work remains."""
@@ -277,6 +287,7 @@ class Engine:
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
             "num_retracted": s.num_retracted,
+            "num_aborted": s.num_aborted,
             "batches_by_mode": dict(s.batches_by_mode),
         }
 

@@ -109,6 +109,7 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self.batches_by_mode: Counter[str] = Counter()
         self.num_retracted = 0
+        self.num_aborted = 0
         self.generated_tokens = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
@@ -141,6 +142,7 @@ class Scheduler:
             if req.to_abort is None or req.finished():
                 continue
             req.finished_reason = FinishReason("abort", message=req.to_abort)
+            self.num_aborted += 1
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
             else:

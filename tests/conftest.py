@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from engine.builtin_model import (
@@ -98,3 +99,12 @@ def hf() -> HFReference:
 def _quiet_threads():
     # Two cores here: keep intra-op threads from oversubscribing when Ray workers run too.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the session (2 CPUs here; engines ask for 1 each)."""
+    if not ray.is_initialized():
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=4)
+    yield
+    ray.shutdown()

@@ -1,0 +1,176 @@
+"""`python -m cluster.bench`: the cluster side by side with its baselines, one line per case.
+
+Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, greedy):
+  scale     the engine bench's mixed workload: 2 engines vs 1 engine (output tokens/s).
+  routing   multi-tenant shared prefixes (8 x 512-token prefixes, 64 requests), engines whose KV
+            holds about half of the prefixes: cache_aware vs round_robin (total tokens/s, hit rates).
+  http      the same requests streamed through Ray Serve's HTTP app vs the Cluster in Python:
+            throughput and time to first token (median, p99).
+`--quick` shrinks the workloads (a smoke run, not a measurement to quote)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import ray
+
+from cluster import Cluster, ClusterConfig
+from engine import SamplingParams
+from engine.bench import BENCH_ARCH, bench_model_path, random_prompts
+
+
+def mixed_workload(scale: float) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    n = max(4, int(64 * scale))
+    prompts = random_prompts(n, 16, 256, BENCH_ARCH["vocab_size"], rng)
+    return prompts, [rng.randint(32, max(33, int(512 * scale))) for _ in range(n)]
+
+
+def tenant_workload(scale: float) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(1)
+    tenants, plen, n = 8, max(64, int(512 * scale)), max(16, int(64 * scale))
+    prefixes = random_prompts(tenants, plen, plen, BENCH_ARCH["vocab_size"], rng)
+    prompts = [prefixes[i % tenants] + random_prompts(1, 16, 16, BENCH_ARCH["vocab_size"], rng)[0] for i in range(n)]
+    return prompts, [16] * n
+
+
+def run_cluster(cfg: ClusterConfig, prompts: list[list[int]], outs: list[int]) -> tuple[float, dict]:
+    with Cluster(cfg) as cl:
+        params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
+        t0 = time.perf_counter()
+        results = cl.generate(input_ids=prompts, sampling_params=params)
+        dt = time.perf_counter() - t0
+        assert [len(r.token_ids) for r in results] == outs, "cluster skipped work"
+        stats = cl.stats()
+        cl.check_memory()
+    return dt, stats
+
+
+def engine_cfg(path: str, n: int, routing: str, **engine) -> ClusterConfig:
+    return ClusterConfig(model_path=path, num_engines=n, routing=routing, device="cpu", cpus_per_engine=1,
+                         torch_threads_per_engine=1, engine=engine)
+
+
+def case_scale(path: str, scale: float) -> None:
+    prompts, outs = mixed_workload(scale)
+    rates = {}
+    for n in (2, 1):
+        dt, _ = run_cluster(engine_cfg(path, n, "least_load", max_total_tokens=65536), prompts, outs)
+        rates[n] = sum(outs) / dt
+    print(f"scale      2_engines={rates[2]:,.1f} out tok/s  1_engine={rates[1]:,.1f} out tok/s  "
+          f"ratio={rates[2] / rates[1]:.2f}x (floor 1.7x)", flush=True)
+
+
+def case_routing(path: str, scale: float) -> None:
+    prompts, outs = tenant_workload(scale)
+    total = sum(len(p) for p in prompts) + sum(outs)
+    pool = int(len(prompts[0]) * 4.5)  # about half of the 8 prefixes per engine
+    rates, hits = {}, {}
+    for policy in ("cache_aware", "round_robin"):
+        dt, stats = run_cluster(engine_cfg(path, 2, policy, max_total_tokens=pool), prompts, outs)
+        rates[policy] = total / dt
+        e = stats["engines"]
+        hits[policy] = sum(x["cached_tokens"] for x in e) / max(sum(x["prompt_tokens"] for x in e), 1)
+    print(f"routing    cache_aware={rates['cache_aware']:,.1f} tok/s  round_robin={rates['round_robin']:,.1f} tok/s  "
+          f"ratio={rates['cache_aware'] / rates['round_robin']:.2f}x  hit_rate cache_aware={hits['cache_aware']:.0%} "
+          f"round_robin={hits['round_robin']:.0%} (floor 1.5x)", flush=True)
+
+
+def _percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+
+
+def case_http(path: str, scale: float) -> None:
+    from ray import serve
+
+    from deploy.app import build_app
+
+    prompts, outs = mixed_workload(scale * 0.5)
+    cfg = engine_cfg(path, 2, "least_load", max_total_tokens=65536)
+
+    async def direct(cl: Cluster) -> tuple[float, list[float]]:
+        async def one(ids, n):
+            t0 = time.perf_counter()
+            first = None
+            async for d in cl.stream_ids(ids, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)):
+                if first is None and d.token_ids:
+                    first = time.perf_counter() - t0
+            return first
+
+        t0 = time.perf_counter()
+        ttfts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outs)))
+        return time.perf_counter() - t0, list(ttfts)
+
+    with Cluster(cfg) as cl:
+        dt_direct, ttft_direct = asyncio.run_coroutine_threadsafe(direct(cl), cl._loop).result()
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model_path": path, "num_engines": 2, "routing": "least_load", "device": "cpu",
+                         "torch_threads_per_engine": 1, "engine": {"max_total_tokens": 65536}}),
+              name="bench", route_prefix="/")
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    dt_http, ttft_http = asyncio.run(_http_load(url, prompts, outs))
+    serve.delete("bench")
+    tok = sum(outs)
+    print(f"http       http={tok / dt_http:,.1f} out tok/s  direct={tok / dt_direct:,.1f} out tok/s  "
+          f"ratio={dt_direct / dt_http:.2f}x (floor 0.85x)  ttft_median http={1e3 * statistics.median(ttft_http):.0f} ms "
+          f"direct={1e3 * statistics.median(ttft_direct):.0f} ms  ttft_p99 http={1e3 * _percentile(ttft_http, 0.99):.0f} ms "
+          f"direct={1e3 * _percentile(ttft_direct, 0.99):.0f} ms", flush=True)
+
+
+async def _http_load(url: str, prompts: list[list[int]], outs: list[int]) -> tuple[float, list[float]]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        async def one(ids, n):
+            body = {"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+            t0, first, got = time.perf_counter(), None, 0
+            async with session.post(url, json=body) as r:
+                assert r.status == 200, await r.text()
+                async for raw in r.content:
+                    line = raw.decode().strip()
+                    if line.startswith("data: {") and first is None:
+                        if json.loads(line[6:])["choices"][0]["text"]:
+                            first = time.perf_counter() - t0
+                    got += line.startswith("data: ")
+            return first if first is not None else time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        ttfts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outs)))
+        return time.perf_counter() - t0, list(ttfts)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CASES = {"scale": case_scale, "routing": case_routing, "http": case_http}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m cluster.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="scale,routing,http", help=f"comma list of {list(CASES)}")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    path = bench_model_path()
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    print(f"# cluster bench: {ray.cluster_resources().get('CPU')} CPUs, model {path}", flush=True)
+    for name in args.cases.split(","):
+        CASES[name](path, 0.125 if args.quick else 1.0)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
