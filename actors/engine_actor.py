@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections import deque
 
 import ray
 
-from actors.protocol import EngineInfo, decode_request, encode
+from actors.protocol import EngineInfo, decode_request, encode, encode_batch
 from engine import Engine, EngineConfig, InvalidRequestError, StreamDelta
 
 MAX_PENDING_EVICTIONS = 4096
@@ -24,6 +25,11 @@ class EngineActor:
         # Evicted radix paths, for the router's cache-aware tree (drained by heartbeat()).
         self._evicted: deque[list[int]] = deque(maxlen=MAX_PENDING_EVICTIONS)
         self.engine.scheduler.tree_cache.on_evict.append(self._evicted.append)
+        # Multiplexed output channel (see outputs()): deltas of every request, drained per yield.
+        self._outbox: list[StreamDelta] = []
+        self._outbox_lock = threading.Lock()
+        self._outbox_ready = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.engine.start_loop()
 
     def info(self) -> EngineInfo:
@@ -55,6 +61,36 @@ class EngineActor:
         finally:
             if not finished:  # the caller went away (cancelled, disconnected): free its KV
                 self.engine.abort(req.rid, "caller went away")
+
+    def _to_outbox(self, delta: StreamDelta) -> None:
+        """Engine-thread sink: one wake-up per burst of deltas, not one per delta."""
+        with self._outbox_lock:
+            self._outbox.append(delta)
+            first = len(self._outbox) == 1
+        if first:
+            self._loop.call_soon_threadsafe(self._outbox_ready.set)
+
+    async def submit(self, payload: bytes) -> None:
+        """Queue a request whose deltas go to the outputs() channel (the cluster's path)."""
+        self._loop = self._loop or asyncio.get_running_loop()
+        req = decode_request(payload)
+        try:
+            self.engine.submit(req.input_ids, req.sampling_params, self._to_outbox, rid=req.rid)
+        except InvalidRequestError as e:
+            self._to_outbox(StreamDelta(rid=req.rid, text="", token_ids=[], finish_reason="abort",
+                                        prompt_tokens=len(req.input_ids), error=f"invalid request: {e}"))
+
+    async def outputs(self):
+        """One long-lived stream carrying every submitted request's deltas, batched: one Ray
+        object per engine step or so, instead of one per token per request."""
+        self._loop = self._loop or asyncio.get_running_loop()
+        while True:
+            await self._outbox_ready.wait()
+            with self._outbox_lock:
+                batch, self._outbox = self._outbox, []
+                self._outbox_ready.clear()
+            if batch:
+                yield encode_batch(batch)
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)

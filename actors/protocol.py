@@ -26,6 +26,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
 _request_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
 _delta_decoder = msgspec.msgpack.Decoder(StreamDelta)
+_batch_decoder = msgspec.msgpack.Decoder(list[StreamDelta])
 
 
 def encode(obj: msgspec.Struct) -> bytes:
@@ -38,3 +39,11 @@ def decode_request(data: bytes) -> GenerateRequest:
 
 def decode_delta(data: bytes) -> StreamDelta:
     return _delta_decoder.decode(data)
+
+
+def decode_delta_batch(data: bytes) -> list[StreamDelta]:
+    return _batch_decoder.decode(data)
+
+
+def encode_batch(deltas: list[StreamDelta]) -> bytes:
+    return _request_encoder.encode(deltas)

@@ -35,7 +35,10 @@ def tenant_workload(scale: float) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(1)
     tenants, plen, n = 8, max(64, int(512 * scale)), max(16, int(64 * scale))
     prefixes = random_prompts(tenants, plen, plen, BENCH_ARCH["vocab_size"], rng)
-    prompts = [prefixes[i % tenants] + random_prompts(1, 16, 16, BENCH_ARCH["vocab_size"], rng)[0] for i in range(n)]
+    # Tenants arrive in random order (a fixed order could line up with round robin by chance).
+    order = [i % tenants for i in range(n)]
+    rng.shuffle(order)
+    prompts = [prefixes[t] + random_prompts(1, 16, 16, BENCH_ARCH["vocab_size"], rng)[0] for t in order]
     return prompts, [16] * n
 
 
@@ -99,7 +102,7 @@ def case_http(path: str, scale: float) -> None:
             t0 = time.perf_counter()
             first = None
             async for d in cl.stream_ids(ids, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)):
-                if first is None and d.token_ids:
+                if first is None and d.text:  # first visible text: what an HTTP client sees first
                     first = time.perf_counter() - t0
             return first
 

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.engine_actor import EngineActor
-from actors.protocol import EngineInfo, GenerateRequest, decode_delta, encode
+from actors.protocol import EngineInfo, GenerateRequest, decode_delta_batch, encode
 from cluster.config import ClusterConfig
 from cluster.routing import Router
 from engine import GenerateOutput, SamplingParams, StreamDelta
@@ -29,6 +29,7 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("radixray.cluster")
 ACTOR_NAMESPACE = "radixray"
+_ENGINE_DIED = object()  # queued to a request whose engine's output stream broke
 
 
 def ensure_ray(address: str | None = None) -> bool:
@@ -84,6 +85,9 @@ class Cluster:
         self._lock = threading.Lock()  # guards the router (request loops and the health thread)
         self._closed = threading.Event()
         self._where: dict[str, int] = {}  # request id -> engine, while in flight
+        self._subs: dict[str, tuple[int, asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._consumers_started = False
+        self._consumers: list = []
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
         self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
@@ -131,6 +135,7 @@ class Cluster:
         cost = len(input_ids) + params.max_new_tokens
         payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params))
         deadline = time.monotonic() + self.config.request_timeout_s
+        queue: asyncio.Queue = asyncio.Queue()
         tried: set[int] = set()
         while True:
             with self._lock:
@@ -138,25 +143,22 @@ class Cluster:
             if idx is None:
                 yield _error(rid, "no engine available", len(input_ids))
                 return
-            streamed, finished, dead = False, False, False
-            self._where[rid] = idx
-            gen = self.actors[idx].generate.remote(payload)
+            streamed = finished = dead = False
+            self._subscribe(rid, idx, queue)
             try:
+                await self.actors[idx].submit.remote(payload)
                 while True:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TimeoutError
-                    ref = await asyncio.wait_for(gen.__anext__(), timeout=remaining)
-                    delta = decode_delta(await ref)
+                    delta = await asyncio.wait_for(queue.get(), timeout=remaining)
+                    if delta is _ENGINE_DIED:
+                        raise ray.exceptions.RayActorError()
                     streamed = streamed or bool(delta.token_ids)
                     finished = delta.finish_reason is not None
                     yield delta
                     if finished:
                         return
-            except StopAsyncIteration:
-                if not finished:
-                    yield _error(rid, "engine stream ended without a result", len(input_ids))
-                return
             except TimeoutError:
                 yield _error(rid, f"request timed out after {self.config.request_timeout_s}s", len(input_ids))
                 return
@@ -170,11 +172,51 @@ class Cluster:
                 tried.add(idx)  # nothing streamed yet: try another engine
                 log.warning("engine %d died before streaming request %s; re-routing", idx, rid)
             finally:
+                self._unsubscribe(rid)
                 if not finished and not dead:
                     self.actors[idx].abort.remote(rid)  # the consumer went away: free its KV
-                self._where.pop(rid, None)
                 with self._lock:
                     self.router.done(idx, cost)
+
+    # ---- the per-engine output channels ---------------------------------------------------
+    def _subscribe(self, rid: str, idx: int, queue: asyncio.Queue) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            self._subs[rid] = (idx, loop, queue)
+            self._where[rid] = idx
+        if not self._consumers_started:
+            self._consumers_started = True
+            self._consumers = [asyncio.run_coroutine_threadsafe(self._consume(i), self._loop)
+                               for i in range(len(self.actors))]
+
+    def _unsubscribe(self, rid: str) -> None:
+        with self._lock:
+            self._subs.pop(rid, None)
+            self._where.pop(rid, None)
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        sub = self._subs.get(rid)
+        if sub is not None:
+            _, loop, queue = sub
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    async def _consume(self, i: int) -> None:
+        """Read engine i's multiplexed output stream for the cluster's lifetime; when the engine
+        dies, tell every request routed to it, then reopen the stream (Ray restarts the actor)."""
+        while not self._closed.is_set():
+            try:
+                async for ref in self.actors[i].outputs.remote():
+                    for delta in decode_delta_batch(await ref):
+                        self._deliver(delta.rid, delta)
+            except Exception as e:  # RayActorError and friends: the engine is gone
+                if self._closed.is_set():
+                    return
+                log.warning("output stream of engine %d broke: %s", i, type(e).__name__)
+            with self._lock:
+                doomed = [rid for rid, (idx, _, _) in self._subs.items() if idx == i]
+            for rid in doomed:
+                self._deliver(rid, _ENGINE_DIED)
+            await asyncio.sleep(0.2)
 
     def abort(self, rid: str) -> None:
         """Abort a request in flight (its engine frees its KV); unknown ids are ignored."""
@@ -235,9 +277,12 @@ class Cluster:
         if self._closed.is_set():
             return
         self._closed.set()
+        for fut in self._consumers:
+            fut.cancel()
         for a in self.actors:
             ray.kill(a, no_restart=True)
         remove_placement_group(self.pg)
+        time.sleep(0.05)  # let the cancelled consumers unwind before the loop stops
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._owns_ray:
             ray.shutdown()

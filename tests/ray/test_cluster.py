@@ -67,7 +67,7 @@ def test_engine_killed_under_load(ray_local, model_dirs):
     cfg = ClusterConfig(model_path=model_dirs["stories"], num_engines=2, routing="round_robin",
                         request_timeout_s=120, health_check_period_s=0.5)
     with Cluster(cfg) as cl:
-        params = SamplingParams(max_new_tokens=300, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=1500, temperature=0.0, ignore_eos=True)
 
         async def run_all():
             async def one(i):
