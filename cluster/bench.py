@@ -104,7 +104,7 @@ def case_http(path: str, scale: float) -> None:
             async for d in cl.stream_ids(ids, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)):
                 if first is None and d.text:  # first visible text: what an HTTP client sees first
                     first = time.perf_counter() - t0
-            return first
+            return first if first is not None else time.perf_counter() - t0
 
         t0 = time.perf_counter()
         ttfts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outs)))
