@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import threading
 import time
 from collections import deque
@@ -19,9 +20,11 @@ MAX_PENDING_EVICTIONS = 4096
 class EngineActor:
     """One engine per GPU (or per group of CPUs). Created by the cluster with ray.remote options."""
 
-    def __init__(self, engine_config: dict, engine_id: int = 0) -> None:
+    def __init__(self, engine_config: dict, engine_id: int = 0, dp: dict | None = None) -> None:
         self.engine_id = engine_id
-        self.engine = Engine(EngineConfig.from_kwargs(**engine_config))
+        self.dp_loop = None
+        shard = (dp["rank"], dp["size"]) if dp else (0, 1)
+        self.engine = Engine(EngineConfig.from_kwargs(**engine_config), mlp_shard=shard)
         # Evicted radix paths, for the router's cache-aware tree (drained by heartbeat()).
         self._evicted: deque[list[int]] = deque(maxlen=MAX_PENDING_EVICTIONS)
         self.engine.scheduler.tree_cache.on_evict.append(self._evicted.append)
@@ -30,7 +33,39 @@ class EngineActor:
         self._outbox_lock = threading.Lock()
         self._outbox_ready = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.engine.start_loop()
+        if dp:
+            self._start_dp(**dp)
+        else:
+            self.engine.start_loop()
+
+    def _start_dp(self, rank: int, size: int, coordinator, timeout_s: float = 30.0) -> None:
+        """Join the group (rendezvous through the coordinator) and run the lock-step loop."""
+        from engine.dp import DPComm, DPLoop
+
+        epoch = ray.get(coordinator.join.remote(rank, ray.get_runtime_context().current_actor))
+        if rank == 0:
+            host = ray.util.get_node_ip_address()
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            ray.get(coordinator.set_master.remote(epoch, host, port))
+        else:
+            host, port = ray.get(coordinator.get_master.remote(epoch))
+        comm = DPComm(host, port, rank, size, self.engine.model_runner.device, timeout_s)
+        self.dp_loop = DPLoop(self.engine, comm, lambda: coordinator.request_wave.remote(), self._die)
+        self.engine.on_work = self.dp_loop.wake
+        self.dp_loop.start()
+
+    @staticmethod
+    def _die(error: BaseException) -> None:
+        # A broken collective cannot be resumed: exit so Ray restarts us, and our rejoin
+        # makes the coordinator restart the whole group.
+        print(f"radixray: DP member failed ({type(error).__name__}: {error}); restarting", flush=True)
+        os._exit(1)
+
+    def signal_wave(self, wave: int) -> None:
+        if self.dp_loop is not None:
+            self.dp_loop.signal(wave)
 
     def info(self) -> EngineInfo:
         mr = self.engine.model_runner
@@ -96,7 +131,11 @@ class EngineActor:
         self.engine.abort(rid)
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "engine_id": self.engine_id, "healthy": self.engine.dead is None}
+        out = {**self.engine.stats(), "engine_id": self.engine_id, "healthy": self.engine.dead is None}
+        if self.dp_loop is not None:
+            out["dp"] = {"rank": self.dp_loop.comm.rank, "waves": self.dp_loop.waves, "steps": self.dp_loop.steps,
+                         "collective_seconds": self.dp_loop.comm.collective_seconds}
+        return out
 
     def check_health(self) -> bool:
         if self.engine.dead is not None:

@@ -5,7 +5,9 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
   routing   multi-tenant shared prefixes (8 x 512-token prefixes, 64 requests), engines whose KV
             holds about half of the prefixes: cache_aware vs round_robin (total tokens/s, hit rates).
   http      the same requests streamed through Ray Serve's HTTP app vs the Cluster in Python:
-            throughput and time to first token (median, p99).
+            throughput and time to first visible text (median, p99).
+  dp        attention-DP: step time of a 2-engine lock-step group vs one engine at the same
+            per-engine batch (16), time in collectives, IDLE batches with one-sided load.
 `--quick` shrinks the workloads (a smoke run, not a measurement to quote)."""
 
 from __future__ import annotations
@@ -158,13 +160,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-CASES = {"scale": case_scale, "routing": case_routing, "http": case_http}
+def case_dp(path: str, scale: float) -> None:
+    """Attention-DP: per-step cost of the lock-step group vs a lone engine at the same
+    per-engine batch, time in collectives, and IDLE batches when one member gets all requests."""
+    rng = random.Random(3)
+    per_engine, out = 16, max(16, int(64 * scale))
+    prompts = random_prompts(2 * per_engine, 32, 32, BENCH_ARCH["vocab_size"], rng)
+    params = SamplingParams(max_new_tokens=out, temperature=0.0, ignore_eos=True)
+
+    def timed(cl: Cluster, ids: list[list[int]]) -> float:
+        t0 = time.perf_counter()
+        cl.generate(input_ids=ids, sampling_params=params)
+        return time.perf_counter() - t0
+
+    base = dict(model_path=path, routing="round_robin", device="cpu", cpus_per_engine=1, torch_threads_per_engine=1,
+                engine={"max_total_tokens": 16384})
+    with Cluster(ClusterConfig(num_engines=1, **base)) as cl:
+        dt = timed(cl, prompts[:per_engine])
+        single_step = dt / sum(cl.stats()["engines"][0]["batches_by_mode"].values())
+    with Cluster(ClusterConfig(num_engines=2, dp_attention=True, **base)) as cl:
+        dt = timed(cl, prompts)
+        dp = [e["dp"] for e in cl.stats()["engines"]]
+        group_step = dt / dp[0]["steps"]
+        coll = sum(d["collective_seconds"] for d in dp) / len(dp) / dp[0]["steps"]
+    with Cluster(ClusterConfig(num_engines=2, dp_attention=True, **{**base, "routing": "least_load"})) as cl:
+        for ids in prompts[:8]:  # one at a time: least_load always picks member 0
+            cl.generate(input_ids=ids, sampling_params=params)
+        modes = [e["batches_by_mode"] for e in cl.stats()["engines"]]
+    print(f"dp         group_step={1e3 * group_step:.1f} ms  single_step={1e3 * single_step:.1f} ms  "
+          f"ratio={group_step / single_step:.2f}x  collectives={1e3 * coll:.1f} ms/step  "
+          f"one-sided: member0={modes[0]} member1={modes[1]}", flush=True)
+
+
+CASES = {"scale": case_scale, "routing": case_routing, "http": case_http, "dp": case_dp}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="scale,routing,http", help=f"comma list of {list(CASES)}")
+    ap.add_argument("--cases", default="scale,routing,http,dp", help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     path = bench_model_path()

@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.dp_coordinator import DPCoordinator
 from actors.engine_actor import EngineActor
 from actors.protocol import EngineInfo, GenerateRequest, decode_delta_batch, encode
 from cluster.config import ClusterConfig
@@ -65,13 +66,14 @@ class Cluster:
         # Named (in namespace "radixray") so operators and tests can find a cluster's engines.
         self.cluster_id = uuid.uuid4().hex[:8]
         self.actor_names = [f"radixray-{self.cluster_id}-engine-{i}" for i in range(cfg.num_engines)]
+        self.coordinators, dp = self._make_dp_groups(cfg)
         self.actors = [
             actor_cls.options(
                 name=self.actor_names[i], namespace=ACTOR_NAMESPACE, lifetime=None,
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=cfg.max_restarts,
                 max_task_retries=0, max_concurrency=10_000,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(engine_cfg, i)
+            ).remote(engine_cfg, i, dp[i])
             for i in range(cfg.num_engines)
         ]
         self.infos: list[EngineInfo] = ray.get([a.info.remote() for a in self.actors], timeout=600)
@@ -92,6 +94,21 @@ class Cluster:
         threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
         self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
         self._health.start()
+
+    @staticmethod
+    def _make_dp_groups(cfg: ClusterConfig) -> tuple[list, list[dict | None]]:
+        """Attention-DP: one DPCoordinator per group of dp_group_size consecutive engines."""
+        if not cfg.dp_attention:
+            return [], [None] * cfg.num_engines
+        size = cfg.dp_group_size or cfg.num_engines
+        coord_cls = ray.remote(DPCoordinator)
+        coords = [coord_cls.options(num_cpus=0, max_restarts=-1).remote(g, size)
+                  for g in range(cfg.num_engines // size)]
+        return coords, [{"rank": i % size, "size": size, "coordinator": coords[i // size]}
+                        for i in range(cfg.num_engines)]
+
+    def dp_stats(self) -> list[dict]:
+        return ray.get([c.stats.remote() for c in self.coordinators], timeout=10)
 
     # ---- health ----------------------------------------------------------------------------
     def _health_loop(self) -> None:
@@ -279,7 +296,7 @@ class Cluster:
         self._closed.set()
         for fut in self._consumers:
             fut.cancel()
-        for a in self.actors:
+        for a in self.actors + self.coordinators:
             ray.kill(a, no_restart=True)
         remove_placement_group(self.pg)
         time.sleep(0.05)  # let the cancelled consumers unwind before the loop stops

@@ -71,7 +71,8 @@ class _Tracker:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: EngineConfig | None = None, mlp_shard: tuple[int, int] = (0, 1),
+                 **kwargs: Any) -> None:
         self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
         if config is not None and kwargs:
             self.config = config.replace(**kwargs)
@@ -79,7 +80,7 @@ class Engine:
             torch.set_num_threads(self.config.torch_threads)
         self.model_path = self.config.model_path or builtin_model_path()
         self.tokenizer = Tokenizer(self.model_path)
-        self.model_runner = ModelRunner(self.config, self.model_path)
+        self.model_runner = ModelRunner(self.config, self.model_path, mlp_shard)
         self.model_config = self.model_runner.model_config
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -94,6 +95,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._trackers: dict[str, _Tracker] = {}
         self._early_aborts: dict[str, None] = {}  # insertion-ordered, bounded
+        self.on_work: Callable[[], None] | None = None  # extra wake-up hook (attention-DP loop)
         self._step_lock = threading.Lock()
         self._loop_thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -121,11 +123,15 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
         self._inbox.put(("add", _Tracker(req, detok, sink)))
         self._wake.set()
+        if self.on_work is not None:
+            self.on_work()
         return rid
 
     def abort(self, rid: str, message: str = "aborted by client") -> None:
         self._inbox.put(("abort", (rid, message)))
         self._wake.set()
+        if self.on_work is not None:
+            self.on_work()
 
     # ---- the loop ---------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
@@ -151,6 +157,10 @@ class Engine:
                 self._early_aborts[item[0]] = None
                 while len(self._early_aborts) > 1024:
                     self._early_aborts.pop(next(iter(self._early_aborts)))
+
+    def has_pending(self) -> bool:
+        """Work queued or in flight (the inbox counts: a request may not be drained yet)."""
+        return self.scheduler.has_work() or not self._inbox.empty()
 
     def step(self) -> bool:
         """One scheduler step plus output delivery. Returns whether any work remains."""

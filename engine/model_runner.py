@@ -41,6 +41,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.max_context_len = min(config.max_context_len or cfg.max_position_embeddings,
                                    cfg.max_position_embeddings)
+        # mlp_shard (rank, world): attention-DP splits every MLP's intermediate dim over the group.
         self.model = LlamaModel(cfg, load_weights(model_dir), self.dtype, self.device,
                                 self.max_context_len, mlp_shard)
         per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,

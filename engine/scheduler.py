@@ -157,12 +157,25 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[Req]:
         """Run at most one batch. Returns the requests that got tokens or finished."""
-        touched = self._handle_aborts()
+        aborted, batch = self.schedule()
+        return self.execute(batch, aborted)
+
+    def schedule(self) -> tuple[list[Req], ScheduleBatch | None]:
+        """First half of a step: apply aborts and pick the next batch (attention-DP agrees
+        on token counts between the halves)."""
         self.last_mode = None
-        batch = self.get_next_batch_to_run()
+        return self._handle_aborts(), self.get_next_batch_to_run()
+
+    def idle_batch(self) -> ScheduleBatch:
+        batch = self._new_batch([])
+        batch.prepare_for_idle()
+        return batch
+
+    def execute(self, batch: ScheduleBatch | None, touched: list[Req]) -> list[Req]:
+        """Second half: run the batch, process its results, and check memory when idle."""
         if batch is not None:
             result = self.run_batch(batch)
-            touched += self.process_batch_result(batch, result)
+            touched = touched + self.process_batch_result(batch, result)
         for req in touched:
             if req.finished():
                 self.reqs.pop(req.rid, None)
@@ -264,6 +277,8 @@ class Scheduler:
         return self.model_runner.sample(logits, batch.reqs)
 
     def process_batch_result(self, batch: ScheduleBatch, result: SampleResult) -> list[Req]:
+        if batch.forward_mode.is_idle():
+            return []
         touched, still_running = [], []
         decoding = batch.decoding_reqs
         for i, req in enumerate(batch.reqs):

@@ -1,0 +1,133 @@
+"""Attention-DP: a group of engines runs attention data-parallel (each its own requests, cache
+and KV) and splits every MLP over the group, so the group steps in lock-step.
+
+`DPComm` owns the group's collectives (gloo on CPU, NCCL on CUDA) on a private process group:
+no torch.distributed default group, so nothing process-global. `DPLoop` replaces the engine's
+background loop: it sleeps until a *wave* is signalled, then steps with the others until every
+member reports no work; a member with nothing to run joins each step with an IDLE batch.
+No Ray here: waves are requested and signalled through callables the actor layer provides."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.engine import Engine
+
+
+class DPComm:
+    def __init__(self, host: str, port: int, rank: int, world: int, device: torch.device,
+                 timeout_s: float = 30.0) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)
+        if device.type == "cuda":
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, world)
+        else:
+            self.pg = dist.ProcessGroupGloo(self.store, rank, world, timeout)
+        self.rank, self.world, self.device = rank, world, device
+        self.counts: list[int] = [0] * world  # every member's token count in the current step
+        self.collective_seconds = 0.0
+
+    def _wait(self, work) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        self.collective_seconds += time.perf_counter() - t0
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        outs = [torch.empty_like(t) for _ in range(self.world)]
+        self._wait(self.pg.allgather([outs], [t]))
+        return [o.tolist() for o in outs]
+
+    # ---- LlamaModel.mlp_comm hooks ------------------------------------------------------
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[T_local, H] -> every member's tokens [sum T, H], in rank order (padded exchange)."""
+        longest = max(self.counts)
+        padded = x.new_zeros((longest, x.shape[1]))
+        padded[:x.shape[0]] = x
+        outs = [torch.empty_like(padded) for _ in range(self.world)]
+        self._wait(self.pg.allgather([outs], [padded]))
+        return torch.cat([o[:n] for o, n in zip(outs, self.counts)])
+
+    def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """Partial MLP outputs over all tokens -> the summed rows of this member's tokens.
+        (An all-reduce then a slice: gloo has no reduce-scatter.)"""
+        y = y.contiguous()
+        self._wait(self.pg.allreduce([y]))
+        start = sum(self.counts[:self.rank])
+        return y[start:start + self.counts[self.rank]]
+
+
+class DPLoop:
+    """The engine loop of one attention-DP member."""
+
+    def __init__(self, engine: Engine, comm: DPComm, request_wave: Callable[[], None],
+                 on_fatal: Callable[[BaseException], None]) -> None:
+        self.engine, self.comm = engine, comm
+        self.request_wave = request_wave
+        self.on_fatal = on_fatal
+        engine.model_runner.model.mlp_comm = comm
+        self._cv = threading.Condition()
+        self.signalled = 0  # waves the coordinator announced
+        self.waves = 0  # waves this member has run
+        self.steps = 0
+        self._asked = False
+        self._thread = threading.Thread(target=self._run, name="radixray-dp-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def signal(self, wave: int) -> None:
+        with self._cv:
+            self.signalled = max(self.signalled, wave)
+            self._cv.notify()
+
+    def wake(self) -> None:
+        """New local work: the loop asks for a wave if it is sleeping."""
+        with self._cv:
+            self._cv.notify()
+
+    def _run(self) -> None:
+        try:
+            while not self.engine._stopping:
+                with self._cv:
+                    while self.waves >= self.signalled and not self.engine._stopping:
+                        if self.engine.has_pending() and not self._asked:
+                            self._asked = True
+                            self.request_wave()
+                        self._cv.wait(timeout=0.5)
+                    self._asked = False
+                if self.engine._stopping:
+                    return
+                self._wave()
+                self.waves += 1
+        except BaseException as e:  # a dead peer (collective timeout) or a bug: fail loudly
+            self.engine.dead = e
+            self.on_fatal(e)
+
+    def _wave(self) -> None:
+        eng, sched = self.engine, self.engine.scheduler
+        while True:
+            with eng._step_lock:
+                eng._drain_inbox()
+                aborted, batch = sched.schedule()
+                local = batch.input_ids.shape[0] if batch is not None else 0
+                counts = self.comm.all_gather_ints([local, int(eng.has_pending() or bool(aborted))])
+                if not any(n or busy for n, busy in counts):
+                    for req in sched.execute(None, aborted):
+                        eng._emit(req)
+                    return  # every member is out of work: the wave ends for all at once
+                self.comm.counts = [n for n, _ in counts]
+                if sum(self.comm.counts) == 0:  # work waits (e.g. for KV) but no tokens: no forward
+                    touched = sched.execute(None, aborted)
+                    time.sleep(0.001)
+                else:
+                    touched = sched.execute(batch if batch is not None else sched.idle_batch(), aborted)
+                self.steps += 1
+                for req in touched:
+                    eng._emit(req)

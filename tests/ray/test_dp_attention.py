@@ -1,0 +1,114 @@
+"""Attention-DP groups: lock-step engines with a split MLP, IDLE batches, waves, gang restart."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import ray
+
+from cluster import Cluster, ClusterConfig
+from engine import Engine, SamplingParams
+
+pytestmark = pytest.mark.ray
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def prompts_for(vocab: int, n: int, seed: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def dp_cluster(path: str, **engine) -> Cluster:
+    return Cluster(ClusterConfig(model_path=path, num_engines=2, routing="round_robin", dp_attention=True,
+                                 engine=engine))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "stories"])
+def test_group_matches_single_engine(ray_local, model_dirs, name):
+    path = model_dirs[name]
+    single = Engine(model_path=path)
+    ids = prompts_for(single.model_config.vocab_size, 6, seed=11)
+    ref = single.generate(input_ids=ids, sampling_params=GREEDY)
+    with dp_cluster(path) as cl:
+        both = cl.generate(input_ids=ids, sampling_params=GREEDY)  # round robin: both members busy
+        assert [o.token_ids for o in both] == [r.token_ids for r in ref]
+        one = cl.generate(input_ids=ids[0], sampling_params=GREEDY)  # one member only
+        assert one.token_ids == ref[0].token_ids
+        stats = cl.stats()["engines"]
+        assert sum(e["batches_by_mode"].get("IDLE", 0) for e in stats) > 0
+        assert all(e["dp"]["waves"] >= 1 for e in stats)
+        cl.check_memory()
+
+
+def test_prefill_beside_decode_and_chunked(ray_local, model_dirs):
+    path = model_dirs["stories"]
+    single = Engine(model_path=path)
+    long_prompt = prompts_for(512, 1, seed=3, lo=120, hi=120)[0]
+    short = prompts_for(512, 1, seed=4)[0]
+    params_long = SamplingParams(max_new_tokens=150, temperature=0.0, ignore_eos=True)
+    ref_a = single.generate(input_ids=short, sampling_params=params_long)
+    ref_b = single.generate(input_ids=long_prompt, sampling_params=GREEDY)
+    with dp_cluster(path, chunked_prefill_size=16) as cl:
+        async def run():
+            a = asyncio.create_task(_collect(cl, short, params_long))  # member 0 decodes...
+            await asyncio.sleep(0.05)
+            b = asyncio.create_task(_collect(cl, long_prompt, GREEDY))  # ...while member 1 prefills in chunks
+            return await asyncio.gather(a, b)
+
+        a, b = asyncio.run_coroutine_threadsafe(run(), cl._loop).result()
+        assert a == ref_a.token_ids and b == ref_b.token_ids
+        modes = [e["batches_by_mode"] for e in cl.stats()["engines"]]
+        assert modes[1].get("EXTEND", 0) >= 120 // 16  # chunked on member 1
+        cl.check_memory()
+
+
+async def _collect(cl: Cluster, ids: list[int], params: SamplingParams) -> list[int]:
+    return [t async for d in cl.stream_ids(ids, params) for t in d.token_ids]
+
+
+def test_no_steps_without_work_then_a_wave(ray_local, model_dirs):
+    with dp_cluster(model_dirs["stories"]) as cl:
+        cl.generate(prompt="Once upon a time", sampling_params=GREEDY)
+        time.sleep(0.5)
+        before = [e["dp"]["steps"] for e in cl.stats()["engines"]]
+        waves = cl.dp_stats()[0]["waves_started"]
+        time.sleep(2.0)
+        assert [e["dp"]["steps"] for e in cl.stats()["engines"]] == before  # nobody spins
+        cl.generate(prompt="The cat", sampling_params=GREEDY)
+        assert cl.dp_stats()[0]["waves_started"] > waves
+        assert all(e["dp"]["steps"] > b for e, b in zip(cl.stats()["engines"], before))
+        cl.check_memory()
+
+
+def test_killed_member_restarts_the_group(ray_local, model_dirs):
+    path = model_dirs["stories"]
+    ref = Engine(model_path=path).generate(prompt="Once upon a time", sampling_params=GREEDY)
+    cfg = ClusterConfig(model_path=path, num_engines=2, routing="round_robin", dp_attention=True,
+                        request_timeout_s=120, health_check_period_s=0.5)
+    with Cluster(cfg) as cl:
+        long = SamplingParams(max_new_tokens=1500, temperature=0.0, ignore_eos=True)
+
+        async def run():
+            tasks = [asyncio.create_task(_final(cl, f"Story {i}", long)) for i in range(4)]
+            await asyncio.sleep(1.0)
+            ray.kill(cl.actors[1], no_restart=False)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
+
+        finals = asyncio.run_coroutine_threadsafe(run(), cl._loop).result()
+        assert len(finals) == 4 and all(f.finish_reason in ("length", "abort") for f in finals)
+        assert any(f.error for f in finals)  # the group went down under them: explicit errors
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (all(cl.healthy()) and cl.dp_stats()[0]["epoch"] >= 1
+                                                   and len(cl.dp_stats()[0]["members"]) == 2):
+            time.sleep(0.5)
+        assert all(cl.healthy()) and cl.dp_stats()[0]["restarts"] >= 1
+        again = cl.generate(prompt=["Once upon a time"] * 2, sampling_params=GREEDY)
+        assert [o.token_ids for o in again] == [ref.token_ids] * 2
+        cl.check_memory()
+
+
+async def _final(cl: Cluster, prompt: str, params: SamplingParams):
+    return [d async for d in cl.stream(prompt=prompt, sampling_params=params)][-1]
