@@ -282,6 +282,15 @@ class Cluster:
                      "kv_total": self.infos[i].max_total_tokens, "cached_tokens": 0,
                      "generated_tokens": 0, "batches_by_mode": {}}
             engines.append(s)
+        if self.coordinators:  # attention-DP: each engine shows its group's waves
+            size = self.config.dp_group_size or self.config.num_engines
+            try:
+                groups = self.dp_stats()
+                for i, s in enumerate(engines):
+                    s["dp_group"] = i // size
+                    s["waves_started"] = groups[i // size]["waves_started"]
+            except Exception:
+                pass
         with self._lock:
             routing = self.router.stats()
         return {"engines": engines, "routing": routing}

@@ -39,7 +39,7 @@ def test_group_matches_single_engine(ray_local, model_dirs, name):
         assert one.token_ids == ref[0].token_ids
         stats = cl.stats()["engines"]
         assert sum(e["batches_by_mode"].get("IDLE", 0) for e in stats) > 0
-        assert all(e["dp"]["waves"] >= 1 for e in stats)
+        assert all(e["dp"]["waves"] >= 1 and e["waves_started"] >= 1 and e["dp_group"] == 0 for e in stats)
         cl.check_memory()
 
 
@@ -112,3 +112,24 @@ def test_killed_member_restarts_the_group(ray_local, model_dirs):
 
 async def _final(cl: Cluster, prompt: str, params: SamplingParams):
     return [d async for d in cl.stream(prompt=prompt, sampling_params=params)][-1]
+
+
+def test_other_group_keeps_serving(ray_local, model_dirs):
+    path = model_dirs["stories"]
+    ref = Engine(model_path=path).generate(prompt="Once upon a time", sampling_params=GREEDY)
+    cfg = ClusterConfig(model_path=path, num_engines=4, dp_group_size=2, routing="round_robin", dp_attention=True,
+                        request_timeout_s=120, health_check_period_s=0.5)
+    with Cluster(cfg) as cl:
+        assert [g["members"] for g in cl.dp_stats()] == [[0, 1], [0, 1]]
+        ray.kill(cl.actors[0], no_restart=False)  # group 0 goes down...
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and cl.healthy()[0]:
+            time.sleep(0.1)
+        # ...while group 1 (engines 2 and 3) answers every request meanwhile.
+        outs = cl.generate(prompt=["Once upon a time"] * 4, sampling_params=GREEDY)
+        assert all(o.token_ids == ref.token_ids and o.error is None for o in outs)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(cl.healthy()):
+            time.sleep(0.5)
+        assert all(cl.healthy()) and cl.dp_stats()[0]["restarts"] >= 1 and cl.dp_stats()[1]["restarts"] == 0
+        cl.check_memory()
