@@ -8,6 +8,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +34,11 @@ def ray_head(tmp_path_factory):
     ray_bin = str(Path(sys.executable).parent / "ray")
     log = open(tmp_path_factory.mktemp("ray-head") / "head.log", "w")
     # --block: the head lives exactly as long as this process; SIGTERM stops all of it.
+    # A private temp dir: the head's address file must not outlive it in /tmp/ray, where a
+    # later ray.init() without an address would find the dead cluster.
+    temp_dir = tempfile.mkdtemp(prefix="rr", dir="/tmp")
     proc = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                             f"--temp-dir={temp_dir}",
                              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
                              "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{dash}"
