@@ -8,6 +8,7 @@ import msgspec
 
 from cluster.routing import POLICIES
 from engine import EngineConfig
+from engine.config import build_config
 from engine.errors import ConfigError
 
 
@@ -47,13 +48,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ClusterConfig:
-        unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
-        if unknown:
-            raise ConfigError(f"unknown cluster config field(s): {', '.join(unknown)}")
-        try:
-            return msgspec.convert(kwargs, cls)
-        except msgspec.ValidationError as e:
-            raise ConfigError(f"invalid cluster config: {e}") from None
+        return build_config(cls, "cluster", kwargs)
 
     def engine_config(self, device: str | None = None) -> EngineConfig:
         threads = self.torch_threads_per_engine or max(1, int(-(-self.cpus_per_engine // 1)))

@@ -186,7 +186,15 @@ class OpenAIServer:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        req = await self._read(request, CompletionRequest)
+        return await self._handle(request, CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, ChatCompletionRequest, chat=True)
+
+    async def _handle(self, request: Request, schema: type, chat: bool) -> Response:
+        """Everything is validated here, before anything is queued on an engine."""
+        req = await self._read(request, schema)
         if isinstance(req, Response):
             self.metrics.requests["invalid"] += 1
             return req
@@ -200,26 +208,9 @@ class OpenAIServer:
             return error_response(400, str(e), param=e.param)
         if (busy := self._no_engine()) is not None:
             return busy
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        return await self._respond(request, req, rid, "text_completion", inputs, params, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        req = await self._read(request, ChatCompletionRequest)
-        if isinstance(req, Response):
-            self.metrics.requests["invalid"] += 1
-            return req
-        try:
-            params = req.sampling(self.args.default_max_tokens)
-            ids = self.cluster.inputs.tokenize(messages=req.message_dicts())
-            self.cluster.inputs.validate_length(len(ids), params)
-        except InvalidRequestError as e:
-            self.metrics.requests["invalid"] += 1
-            return error_response(400, str(e), param=e.param)
-        if (busy := self._no_engine()) is not None:
-            return busy
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._respond(request, req, rid, "chat.completion", [ids], params, chat=True)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        obj = "chat.completion" if chat else "text_completion"
+        return await self._respond(request, req, rid, obj, inputs, params, chat=chat)
 
     # ---- responses ---------------------------------------------------------------------------
     def _logprobs(self, deltas: list[StreamDelta], chat: bool) -> dict | None:

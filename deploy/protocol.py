@@ -111,7 +111,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.to_sampling(max_tokens, self.logprobs, self.top_logprobs or 0, default_max_tokens)
 
-    def message_dicts(self) -> list[dict[str, Any]]:
+    def prompts(self) -> list[dict[str, Any]]:
+        """The one choice's Engine-style input (the chat template is applied at tokenization)."""
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
-        return [m.as_dict() for m in self.messages]
+        return [{"messages": [m.as_dict() for m in self.messages]}]

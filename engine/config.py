@@ -15,6 +15,18 @@ ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def build_config(cls: type, what: str, kwargs: dict[str, Any]) -> Any:
+    """A frozen config struct from keyword arguments; unknown or ill-typed fields raise a
+    ConfigError that names them."""
+    unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
+    if unknown:
+        raise ConfigError(f"unknown {what} config field(s): {', '.join(unknown)}")
+    try:
+        return msgspec.convert(kwargs, cls)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid {what} config: {e}") from None
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything one engine is built from. Field names double as CLI flags and YAML keys."""
 
@@ -60,15 +72,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from keyword arguments, naming every unknown field in a ConfigError."""
-        known = set(cls.__struct_fields__)
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ConfigError(f"unknown engine config field(s): {', '.join(unknown)}")
-        try:
-            return msgspec.convert(kwargs, cls)
-        except msgspec.ValidationError as e:
-            raise ConfigError(f"invalid engine config: {e}") from None
+        return build_config(cls, "engine", kwargs)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return EngineConfig.from_kwargs(**{**msgspec.structs.asdict(self), **changes})

@@ -9,6 +9,7 @@ import time
 import pytest
 import ray
 
+from actors.protocol import GenerateRequest, decode_delta, encode
 from cluster import Cluster, ClusterConfig
 from engine import Engine, SamplingParams
 
@@ -29,6 +30,13 @@ def test_two_engines_match_single_engine(ray_local, model_dirs):
         assert [e["generated_tokens"] > 0 for e in stats["engines"]] == [True, True]
         assert stats["routing"]["decisions"] == [4, 4]
         assert all(e["healthy"] and e["batches_by_mode"]["DECODE"] > 0 for e in stats["engines"])
+        # The actor's own per-request stream (a Ray streaming generator) gives the same tokens.
+        ids = cl.inputs.tokenize(prompt=prompts[0])
+        gen = cl.actors[1].generate.remote(encode(GenerateRequest(rid="direct-1", input_ids=ids,
+                                                                  sampling_params=GREEDY)))
+        deltas = [decode_delta(ray.get(ref)) for ref in gen]
+        assert [t for d in deltas for t in d.token_ids] == ref[0].token_ids
+        assert deltas[-1].finish_reason == "length" and len(deltas) == len(ref[0].token_ids)
         for s in cl.check_memory():
             assert s["kv_used"] == 0
 
