@@ -6,6 +6,7 @@ background loop (`start_loop`) owns it, as in the Ray actor."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import queue
 import random
@@ -97,6 +98,11 @@ class Engine:
         self._early_aborts: dict[str, None] = {}  # insertion-ordered, bounded
         self.on_work: Callable[[], None] | None = None  # extra wake-up hook (attention-DP loop)
         self._step_lock = threading.Lock()
+        # Overlap: one forward thread (on CUDA it would own the forward stream), and the batch in flight.
+        self._forward_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixray-forward")
+                                if self.config.enable_overlap else None)
+        self._inflight: tuple | None = None
+        self.overlapped_steps = 0  # decode batches launched while the previous one still ran
         self._loop_thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -160,20 +166,57 @@ class Engine:
 
     def has_pending(self) -> bool:
         """Work queued or in flight (the inbox counts: a request may not be drained yet)."""
-        return self.scheduler.has_work() or not self._inbox.empty()
+        return self.scheduler.has_work() or not self._inbox.empty() or self._inflight is not None
 
     def step(self) -> bool:
         """One scheduler step plus output delivery. Returns whether any work remains."""
         with self._step_lock:
             t0 = time.perf_counter()
             self._drain_inbox()
-            touched = self.scheduler.step()
+            touched = self._overlap_step() if self._forward_thread is not None else self.scheduler.step()
             for req in touched:
                 self._emit(req)
             if self.scheduler.last_mode is not None:
                 self.step_seconds[self.scheduler.last_mode] += time.perf_counter() - t0
                 self.step_count[self.scheduler.last_mode] += 1
-            return self.scheduler.has_work()
+            return self.scheduler.has_work() or self._inflight is not None
+
+    # ---- overlap scheduling ---------------------------------------------------------------
+    def _overlap_step(self) -> list[Req]:
+        """Schedule decode batch N+1 while batch N runs on the forward thread, then process N's
+        results. Everything else (prefill, aborts, retraction, penalties) runs synchronously:
+        those need batch N's results first."""
+        sched, touched = self.scheduler, []
+        if self._inflight is not None and not self._can_overlap():
+            touched += self._finish_inflight()
+        sched.future_inputs = self._inflight is not None
+        aborted, batch = sched.schedule()
+        sched.future_inputs = False
+        touched += aborted
+        if batch is not None and batch.forward_mode.is_decode():
+            self.overlapped_steps += self._inflight is not None
+            wait = sched.launch_batch(batch, self._forward_thread)
+            touched += self._finish_inflight()  # batch N's results, while N+1 runs
+            self._inflight = (batch, wait)
+        else:
+            touched += self._finish_inflight()
+            if batch is not None:
+                touched += sched.process_batch_result(batch, sched.launch_batch(batch, self._forward_thread)())
+        return sched.execute(None, touched)
+
+    def _can_overlap(self) -> bool:
+        s = self.scheduler
+        running = s.running_batch.reqs
+        return not (s.waiting_queue or s.chunked_req or any(r.to_abort for r in s.reqs.values())
+                    or any(r.sampling_params.has_penalties for r in running)
+                    or s.allocator.available_size() + s.tree_cache.evictable_size() < 2 * len(running) + 2)
+
+    def _finish_inflight(self) -> list[Req]:
+        if self._inflight is None:
+            return []
+        batch, wait = self._inflight
+        self._inflight = None
+        return self.scheduler.process_batch_result(batch, wait())
 
     def _emit(self, req: Req) -> None:
         tr = self._trackers.get(req.rid)
@@ -298,6 +341,7 @@ class Engine:
             "generated_tokens": s.generated_tokens,
             "num_retracted": s.num_retracted,
             "num_aborted": s.num_aborted,
+            "overlapped_steps": self.overlapped_steps,
             "batches_by_mode": dict(s.batches_by_mode),
         }
 

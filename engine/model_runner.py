@@ -49,6 +49,7 @@ class ModelRunner:
         self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)
         max_running = config.max_running_requests or min(256, max(8, self.max_total_tokens // 32))
         self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
+        self.future_token_ids = torch.zeros(max_running + 1, dtype=torch.int64, device=self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         self.kv_cache = KVCache(self.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                 cfg.head_dim, self.dtype, self.device)
@@ -74,3 +75,18 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list) -> SampleResult:
         return sample(logits, reqs)
+
+    @torch.inference_mode()
+    def forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> SampleResult:
+        """The forward side of overlap scheduling. Decode inputs not sampled yet when the batch
+        was built are read here from the future-token buffer (indexed by request row), which
+        the previous forward has written by now: forwards run one after another."""
+        if from_future:
+            fb.input_ids = self.future_token_ids[fb.req_pool_indices]
+        logits = self.forward(fb)
+        if logits is None:
+            return SampleResult(next_token_ids=[], logprobs=[])
+        result = sample(logits, reqs)
+        rows = fb.req_pool_indices
+        self.future_token_ids[rows] = torch.tensor(result.next_token_ids, dtype=torch.int64, device=rows.device)
+        return result

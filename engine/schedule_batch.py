@@ -92,8 +92,10 @@ class ScheduleBatch:
         self.prepare_for_extend(ForwardMode.MIXED)
 
     # ---- decode ----------------------------------------------------------------------------
-    def prepare_for_decode(self) -> None:
-        """One new slot per sequence, written at its old length; seq_lens advance by one."""
+    def prepare_for_decode(self, from_future: bool = False) -> None:
+        """One new slot per sequence, written at its old length; seq_lens advance by one.
+        from_future: the previous batch is still running, so the input ids are resolved on
+        the forward side (ModelRunner.forward_and_sample)."""
         self.forward_mode = ForwardMode.DECODE
         bs = len(self.reqs)
         self.out_cache_loc = self.alloc_token_slots(bs)
@@ -107,8 +109,8 @@ class ScheduleBatch:
         for r in self.reqs:
             r.kv_len += 1
         self.seq_lens = self._to_device(self.seq_lens_cpu, torch.int64)
-        self.input_ids = self._to_device([r.output_ids[-1] if r.output_ids else 0 for r in self.reqs],
-                                         torch.int64)
+        self.input_ids_from_future = from_future
+        self.input_ids = self._to_device([0 if from_future else r.output_ids[-1] for r in self.reqs], torch.int64)
 
     def prepare_for_idle(self) -> None:
         """No sequences: zero tokens, so an attention-DP rank can still join the collectives."""

@@ -117,6 +117,9 @@ class Scheduler:
         # Seconds spent inside ModelRunner.forward, by mode (benchmarks read it).
         self.forward_seconds: Counter[str] = Counter()
         self.last_mode: str | None = None
+        # Overlap scheduling: set while a decode batch is in flight, so the next decode batch
+        # takes its input ids from the future-token buffer.
+        self.future_inputs = False
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.device)
@@ -260,21 +263,32 @@ class Scheduler:
             self.waiting_queue = retracted + self.waiting_queue
             # Reserve every running request's full remaining output for a while: no thrashing.
             self.new_token_ratio = 1.0
-        batch.prepare_for_decode()
+        batch.prepare_for_decode(from_future=self.future_inputs)
         self.new_token_ratio = max(self.new_token_ratio - self.config.new_token_ratio_decay,
                                    self.config.min_new_token_ratio)
         return batch
 
     def run_batch(self, batch: ScheduleBatch) -> SampleResult:
+        return self.launch_batch(batch)()
+
+    def launch_batch(self, batch: ScheduleBatch, executor=None) -> Callable[[], SampleResult]:
+        """Build the ForwardBatch here; run forward + sample here or on `executor` (the overlap
+        forward thread). Returns a callable that waits for the result."""
         fb = ForwardBatch.init_new(batch, self.device)
-        self.batches_by_mode[fb.forward_mode.name] += 1
-        self.last_mode = fb.forward_mode.name
-        t0 = time.perf_counter()
-        logits = self.model_runner.forward(fb)
-        self.forward_seconds[self.last_mode] += time.perf_counter() - t0
-        if logits is None:
-            return SampleResult(next_token_ids=[], logprobs=[])
-        return self.model_runner.sample(logits, batch.reqs)
+        mode = fb.forward_mode.name
+        self.batches_by_mode[mode] += 1
+        self.last_mode = mode
+
+        def job() -> SampleResult:
+            t0 = time.perf_counter()
+            result = self.model_runner.forward_and_sample(fb, batch.reqs, batch.input_ids_from_future)
+            self.forward_seconds[mode] += time.perf_counter() - t0
+            return result
+
+        if executor is None:
+            result = job()
+            return lambda: result
+        return executor.submit(job).result
 
     def process_batch_result(self, batch: ScheduleBatch, result: SampleResult) -> list[Req]:
         if batch.forward_mode.is_idle():
@@ -282,6 +296,8 @@ class Scheduler:
         touched, still_running = [], []
         decoding = batch.decoding_reqs
         for i, req in enumerate(batch.reqs):
+            if req.finished():  # overlap: it finished one step earlier; this extra token is void
+                continue
             if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
                 self.tree_cache.cache_unfinished_req(req)
                 continue
