@@ -16,6 +16,11 @@ from engine.builtin_model import (
     write_checkpoint,
 )
 
+# Triton kernels run in Triton's interpreter on a machine without CUDA (must be set before any
+# @triton.jit function is defined, i.e. before kernels.triton_attention is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "models" / "stories260K"
 
