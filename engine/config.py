@@ -44,6 +44,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     enable_mixed_chunk: bool = False
     enable_overlap: bool = False
     attention_backend: str = "torch"
+    disable_cuda_graph: bool = False  # decode/IDLE graphs on CUDA (with a graph-safe backend)
+    cuda_graph_max_bs: int = 64
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001

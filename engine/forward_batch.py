@@ -91,6 +91,15 @@ class ForwardBatch:
     # Attention-DP: every rank's token count this step (agreed in-band); None when alone.
     global_num_tokens: list[int] | None = None
 
+    def resolve_forward_inputs(self, device: torch.device) -> None:
+        """Copy the host-staged inputs to the device, on the current (forward) stream. The
+        scheduler never waits for these copies; on the CPU this does nothing."""
+        for name in ("input_ids", "seq_lens", "positions", "extend_seq_lens", "extend_prefix_lens",
+                     "extend_start_loc", "last_token_indices"):
+            t = getattr(self, name)
+            if t is not None and t.device != device:
+                setattr(self, name, t.to(device, non_blocking=True))
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
@@ -113,18 +122,18 @@ class ForwardBatch:
             fb.last_token_indices = fb.positions
         elif mode.is_decode():
             fb.positions = (batch.seq_lens - 1).to(torch.int64)
-            fb.last_token_indices = torch.arange(fb.batch_size, device=device)
+            fb.last_token_indices = torch.arange(fb.batch_size)
         else:
             prefix, ext = batch.prefix_lens, batch.extend_lens
             starts, acc = [], 0
             for n in ext:
                 starts.append(acc)
                 acc += n
-            positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, ext)])
-            fb.positions = positions.to(device, non_blocking=True)
+            # Built on the host; resolve_forward_inputs moves them (a no-op on the CPU).
+            fb.positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, ext)])
             fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = ext, prefix
-            fb.extend_seq_lens = torch.tensor(ext, device=device)
-            fb.extend_prefix_lens = torch.tensor(prefix, device=device)
-            fb.extend_start_loc = torch.tensor(starts, device=device)
-            fb.last_token_indices = torch.tensor([s + n - 1 for s, n in zip(starts, ext)], device=device)
+            fb.extend_seq_lens = torch.tensor(ext)
+            fb.extend_prefix_lens = torch.tensor(prefix)
+            fb.extend_start_loc = torch.tensor(starts)
+            fb.last_token_indices = torch.tensor([s + n - 1 for s, n in zip(starts, ext)])
         return fb

@@ -55,6 +55,13 @@ class ModelRunner:
                                 cfg.head_dim, self.dtype, self.device)
         self.attn_backend = create_attention_backend(config.attention_backend, self.req_to_token_pool,
                                                      self.kv_cache, self.model.scale, self.device)
+        self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.graph_runner = None
+        if (self.device.type == "cuda" and not config.disable_cuda_graph and mlp_shard[1] == 1
+                and config.attention_backend == "triton"):  # the torch backend's gather is not graph-safe
+            from engine.cuda_graph import CudaGraphRunner
+
+            self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
 
     def _default_pool_size(self, per_token: int) -> int:
         if self.device.type == "cuda":
@@ -68,6 +75,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Logits [bs, vocab] at each request's last token; None for an IDLE batch."""
+        fb.resolve_forward_inputs(self.device)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            logits = self.graph_runner.replay(fb)
+            return None if fb.forward_mode.is_idle() else logits
         self.attn_backend.init_forward_metadata(fb)
         logits = self.model.forward(fb, self.attn_backend)
         return None if fb.forward_mode.is_idle() else logits
@@ -81,6 +92,16 @@ class ModelRunner:
         """The forward side of overlap scheduling. Decode inputs not sampled yet when the batch
         was built are read here from the future-token buffer (indexed by request row), which
         the previous forward has written by now: forwards run one after another."""
+        if self.forward_stream is None:
+            return self._forward_and_sample(fb, reqs, from_future)
+        # CUDA: the forward stream waits for work queued before it (KV writes of the previous
+        # batch, the scheduler's index writes), then runs without blocking the scheduler.
+        self.forward_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.forward_stream):
+            return self._forward_and_sample(fb, reqs, from_future)
+
+    def _forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> SampleResult:
+        fb.resolve_forward_inputs(self.device)
         if from_future:
             fb.input_ids = self.future_token_ids[fb.req_pool_indices]
         logits = self.forward(fb)
@@ -88,5 +109,6 @@ class ModelRunner:
             return SampleResult(next_token_ids=[], logprobs=[])
         result = sample(logits, reqs)
         rows = fb.req_pool_indices
-        self.future_token_ids[rows] = torch.tensor(result.next_token_ids, dtype=torch.int64, device=rows.device)
+        self.future_token_ids[rows] = torch.tensor(result.next_token_ids, dtype=torch.int64).to(
+            rows.device, non_blocking=True)
         return result

@@ -44,6 +44,12 @@ class ScheduleBatch:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    def _stage(self, data: list[int]) -> torch.Tensor:
+        """Forward inputs stay in (pinned) host memory; ForwardBatch.resolve_forward_inputs copies
+        them to the device on the forward stream. On the CPU this is the tensor itself."""
+        t = torch.tensor(data, dtype=torch.int64)
+        return t.pin_memory() if self.device.type == "cuda" else t
+
     def alloc_token_slots(self, n: int) -> torch.Tensor:
         if self.allocator.available_size() < n:
             self.tree_cache.evict(n - self.allocator.available_size())
@@ -63,8 +69,8 @@ class ScheduleBatch:
             input_ids.extend(r.fill_ids[p:p + n])
         self.seq_lens_cpu = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
         self.out_cache_loc = self.alloc_for_extend()
-        self.input_ids = self._to_device(input_ids, torch.int64)
-        self.seq_lens = self._to_device(self.seq_lens_cpu, torch.int64)
+        self.input_ids = self._stage(input_ids)
+        self.seq_lens = self._stage(self.seq_lens_cpu)
 
     def alloc_for_extend(self) -> torch.Tensor:
         """One slot per new token; writes req_to_token[row, :prefix] and [row, prefix:seq]."""
@@ -108,9 +114,9 @@ class ScheduleBatch:
         self.seq_lens_cpu = [n + 1 for n in old_lens]
         for r in self.reqs:
             r.kv_len += 1
-        self.seq_lens = self._to_device(self.seq_lens_cpu, torch.int64)
+        self.seq_lens = self._stage(self.seq_lens_cpu)
         self.input_ids_from_future = from_future
-        self.input_ids = self._to_device([0 if from_future else r.output_ids[-1] for r in self.reqs], torch.int64)
+        self.input_ids = self._stage([0 if from_future else r.output_ids[-1] for r in self.reqs])
 
     def prepare_for_idle(self) -> None:
         """No sequences: zero tokens, so an attention-DP rank can still join the collectives."""

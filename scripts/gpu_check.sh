@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One prepared GPU check (no network needed; a few minutes on one GPU): the `gpu` tests (CUDA
+# parity in bf16 and fp32, Triton kernels on the device, CUDA-graph replay vs eager, overlap on
+# CUDA) and the graph / roofline micro-benchmark. Record its output in docs/BENCHMARKS.md.
+#   bash scripts/gpu_check.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-/tmp}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
+# gpu-marked tests, then the kernel tests (on the device when CUDA is there).
+timeout 240 python3 -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/test_cuda_graph.py \
+    -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+timeout 120 python3 -m pytest -q tests/kernels -p no:cacheprovider 2>&1 | tee -a "$out/gpu_tests.log"
+tests_rc=$(( tests_rc || PIPESTATUS[0] ))
+timeout 240 python3 -m engine.gpu_bench 2>&1 | tee "$out/gpu_bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu_check: tests rc=$tests_rc bench rc=$bench_rc"
+exit $(( tests_rc || bench_rc ))

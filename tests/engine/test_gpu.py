@@ -1,0 +1,32 @@
+"""GPU-only checks (marker `gpu`; skipped without CUDA). Their CPU twins are the parity tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", ["stories", "llama"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bf16_cuda_matches_fp32_first_tokens(model_dirs, name, backend):
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    prompt = "Once upon a time"
+    ref = Engine(model_path=model_dirs[name], device="cpu").generate(prompt=prompt, sampling_params=params)
+    fp32 = Engine(model_path=model_dirs[name], device="cuda", dtype="float32", attention_backend=backend)
+    assert fp32.generate(prompt=prompt, sampling_params=params).token_ids == ref.token_ids
+    bf16 = Engine(model_path=model_dirs[name], device="cuda", dtype="bfloat16", attention_backend=backend)
+    out = bf16.generate(prompt=prompt, sampling_params=params)
+    assert out.token_ids == ref.token_ids
+    bf16.check_memory()
+
+
+def test_overlap_on_cuda(model_dirs):
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = ["Once upon a time", "The cat", "Lily had", "Tom"]
+    ref = Engine(model_path=model_dirs["stories"], device="cuda").generate(prompt=prompts, sampling_params=params)
+    eng = Engine(model_path=model_dirs["stories"], device="cuda", enable_overlap=True, attention_backend="triton")
+    assert [o.token_ids for o in eng.generate(prompt=prompts, sampling_params=params)] == [r.token_ids for r in ref]
+    eng.check_memory()
