@@ -154,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = Cluster(cfg)
         try:
             with tqdm(total=len(todo), disable=args.no_progress, unit="req") as bar:
-                fut = asyncio.run_coroutine_threadsafe(
-                    run_batch(cluster, todo, out, args.max_in_flight, bar), cluster._loop)
-                fut.result()
+                cluster.run(run_batch(cluster, todo, out, args.max_in_flight, bar))
         finally:
             cluster.shutdown()
     print(f"batch: wrote {args.output}", flush=True)

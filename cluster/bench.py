@@ -113,7 +113,7 @@ def case_http(path: str, scale: float) -> None:
         return time.perf_counter() - t0, list(ttfts)
 
     with Cluster(cfg) as cl:
-        dt_direct, ttft_direct = asyncio.run_coroutine_threadsafe(direct(cl), cl._loop).result()
+        dt_direct, ttft_direct = cl.run(direct(cl))
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -250,8 +250,10 @@ class Cluster:
 
     async def generate_async(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                              messages: Any = None) -> GenerateOutput | list[GenerateOutput]:
-        prompts, params, single = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
+        return await self._generate(*self.inputs.prepare(prompt, input_ids, messages, sampling_params))
 
+    async def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
+                        single: bool) -> GenerateOutput | list[GenerateOutput]:
         async def one(ids: list[int], p: SamplingParams) -> GenerateOutput:
             rid = uuid.uuid4().hex
             return collect_output(rid, [d async for d in self.stream_ids(ids, p, rid)])
@@ -261,12 +263,13 @@ class Cluster:
 
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  messages: Any = None) -> GenerateOutput | list[GenerateOutput]:
-        """Same shapes as Engine.generate; blocks the calling thread."""
-        prompts = self.inputs.prepare(prompt, input_ids, messages, sampling_params)  # errors raise here
-        del prompts
-        fut = asyncio.run_coroutine_threadsafe(
-            self.generate_async(prompt, sampling_params, input_ids, messages), self._loop)
-        return fut.result()
+        """Same shapes as Engine.generate; blocks the calling thread. Bad input raises here."""
+        prepared = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
+        return self.run(self._generate(*prepared))
+
+    def run(self, coro: Any) -> Any:
+        """Run a coroutine on the cluster's own event loop and wait for it (sync callers)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # ---- introspection ---------------------------------------------------------------------
     def stats(self) -> dict:

@@ -87,7 +87,7 @@ def test_engine_killed_under_load(ray_local, model_dirs):
             ray.kill(cl.actors[0], no_restart=False)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
 
-        finals = asyncio.run_coroutine_threadsafe(run_all(), cl._loop).result()
+        finals = cl.run(run_all())
         assert len(finals) == 12
         for f in finals:  # every request ended: full output, or an explicit error
             assert f.finish_reason in ("length", "abort")

@@ -58,7 +58,7 @@ def test_prefill_beside_decode_and_chunked(ray_local, model_dirs):
             b = asyncio.create_task(_collect(cl, long_prompt, GREEDY))  # ...while member 1 prefills in chunks
             return await asyncio.gather(a, b)
 
-        a, b = asyncio.run_coroutine_threadsafe(run(), cl._loop).result()
+        a, b = cl.run(run())
         assert a == ref_a.token_ids and b == ref_b.token_ids
         modes = [e["batches_by_mode"] for e in cl.stats()["engines"]]
         assert modes[1].get("EXTEND", 0) >= 120 // 16  # chunked on member 1
@@ -97,7 +97,7 @@ def test_killed_member_restarts_the_group(ray_local, model_dirs):
             ray.kill(cl.actors[1], no_restart=False)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
 
-        finals = asyncio.run_coroutine_threadsafe(run(), cl._loop).result()
+        finals = cl.run(run())
         assert len(finals) == 4 and all(f.finish_reason in ("length", "abort") for f in finals)
         assert any(f.error for f in finals)  # the group went down under them: explicit errors
         deadline = time.monotonic() + 120
