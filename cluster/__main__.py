@@ -52,8 +52,10 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
+    import signal
     import time
 
+    import ray
     from ray import serve
 
     from cluster.cluster import ensure_ray
@@ -72,11 +74,18 @@ def serve_main(argv: list[str]) -> int:
     print(f"radixray is serving on {url}  (Ctrl-C to stop)\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json'{key} "
           f"-d '{{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}}'", flush=True)
+    def stop(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # `timeout`, `kill`, a container stop: shut down cleanly
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        print("radixray: shutting down", flush=True)
+    finally:
         serve.shutdown()
+        ray.shutdown()
     return 0
 
 

@@ -89,6 +89,11 @@ class OpenAIServer:
         self.metrics = ServerMetrics()
         self.created = int(time.time())
 
+    def __del__(self) -> None:  # Serve calls it when the replica stops: take the engines down too
+        cluster = getattr(self, "cluster", None)
+        if cluster is not None:
+            cluster.shutdown()
+
     # ---- plumbing --------------------------------------------------------------------------
     async def _read(self, request: Request, schema: type) -> Any:
         """Size, auth and body checks; returns the parsed body or an error response."""
