@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 
 import torch
 
@@ -117,6 +118,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+STALE_LOCK_S = 180
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -137,6 +139,11 @@ def _build():
     digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + torch.__version__).encode()).hexdigest()[:12]
     build_dir = os.path.join(cache_dir(), "torch_extensions", f"cpu_attn_{digest}")
     os.makedirs(build_dir, exist_ok=True)
+    # torch's build lock is a plain file: a process killed mid-build leaves it behind and every
+    # later load would wait on it forever. A build takes well under a minute here.
+    lock = os.path.join(build_dir, "lock")
+    if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+        os.remove(lock)
     try:
         from torch.utils.cpp_extension import load_inline
 
