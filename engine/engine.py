@@ -207,7 +207,7 @@ class Engine:
     def _can_overlap(self) -> bool:
         s = self.scheduler
         running = s.running_batch.reqs
-        return not (s.waiting_queue or s.chunked_req or any(r.to_abort for r in s.reqs.values())
+        return not (s.waiting_queue or s.chunked_req or s.pending_aborts
                     or any(r.sampling_params.has_penalties for r in running)
                     or s.allocator.available_size() + s.tree_cache.evictable_size() < 2 * len(running) + 2)
 

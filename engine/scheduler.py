@@ -110,6 +110,7 @@ class Scheduler:
         self.batches_by_mode: Counter[str] = Counter()
         self.num_retracted = 0
         self.num_aborted = 0
+        self.pending_aborts: list[Req] = []  # marked by abort_request, applied at the next step
         self.generated_tokens = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
@@ -135,14 +136,15 @@ class Scheduler:
         req = self.reqs.get(rid)
         if req is not None and not req.finished():
             req.to_abort = message
+            self.pending_aborts.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req)
 
     def _handle_aborts(self) -> list[Req]:
-        ended = []
-        for req in list(self.reqs.values()):
-            if req.to_abort is None or req.finished():
+        ended, pending, self.pending_aborts = [], self.pending_aborts, []
+        for req in pending:  # only the marked requests: no scan of the request table each step
+            if req.finished():
                 continue
             req.finished_reason = FinishReason("abort", message=req.to_abort)
             self.num_aborted += 1
