@@ -151,7 +151,9 @@ class Engine:
                 if rid in self._trackers:
                     item.sink(self._error_delta(item.req, f"duplicate request id {rid!r}"))
                     continue
-                if self._early_aborts.pop(rid, None) is not None:  # its abort overtook it
+                if rid in self._early_aborts:  # its abort overtook it
+                    del self._early_aborts[rid]
+                    self.scheduler.num_aborted += 1
                     item.sink(self._error_delta(item.req, "aborted before it started"))
                     continue
                 self._trackers[rid] = item
