@@ -21,7 +21,7 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
         else:
             kind = type(default) if default is not None else (
                 float if name.endswith(("fraction_static", "ratio")) else
-                str if name in ("schedule_policy", "attention_backend", "dtype") else int)
+                str if name in ("schedule_policy", "attention_backend", "linear_backend", "dtype") else int)
             g.add_argument(flag, dest=name, type=kind, default=None)
 
 

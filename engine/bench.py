@@ -6,8 +6,10 @@ Cases (same machine, same weights, float32, greedy, ignore_eos):
   prefix      4 groups x 16 requests, 1024-token shared prefix + 32 unique, 32 outputs:
               radix cache on vs off (total tokens/s).
   overhead    decode at batch 32: share of step wall time spent outside the model forward.
-  roofline    decode at batch 64: achieved FLOP/s (2 x params x tokens/s) vs a 2048^3 torch.mm.
+  roofline    decode at batch 64: achieved FLOP/s (2 x params x tokens/s) vs a 2048^3 torch.mm
+              (and vs the same GEMM through oneDNN, which is faster on AMD CPUs).
   overlap     decode-heavy workload (32 x 256 tokens): overlap scheduling on vs off.
+  linear      the model's GEMMs at 1, 32, 64 and 2048 rows: F.linear (MKL) vs oneDNN prepacked.
 `--quick` shrinks every workload (a smoke run, not a measurement to quote).
 """
 
@@ -20,6 +22,7 @@ import random
 import time
 
 import torch
+import torch.nn.functional as F
 
 from engine import Engine, SamplingParams
 from engine.builtin_model import (
@@ -29,6 +32,7 @@ from engine.builtin_model import (
     random_llama_weights,
     write_checkpoint,
 )
+from kernels.cpu_linear import Linear, onednn_linear_works
 
 BENCH_ARCH = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
@@ -134,14 +138,23 @@ def case_overhead(path: str, scale: float) -> None:
           flush=True)
 
 
-def matmul_flops() -> float:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    for _ in range(3):
-        torch.mm(a, b)
-    reps, t0 = 10, time.perf_counter()
+def _time(fn, reps: int) -> float:
+    for _ in range(2):
+        fn()
+    t0 = time.perf_counter()
     for _ in range(reps):
-        torch.mm(a, b)
-    return 2 * 2048 ** 3 * reps / (time.perf_counter() - t0)
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def matmul_flops() -> dict[str, float]:
+    """FLOP/s of a 2048^3 fp32 GEMM: torch.mm (MKL) and oneDNN with a prepacked weight."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    flops = {"mm": 2 * 2048 ** 3 / _time(lambda: torch.mm(a, b), 10)}
+    if onednn_linear_works(torch.float32):
+        lin = Linear(b.t().contiguous(), onednn=True)
+        flops["onednn"] = 2 * 2048 ** 3 / _time(lambda: lin(a), 10)
+    return flops
 
 
 def case_roofline(path: str, scale: float) -> None:
@@ -149,9 +162,29 @@ def case_roofline(path: str, scale: float) -> None:
     params = eng.model_runner.model.num_parameters()
     tok_s = 64 * eng.step_count["DECODE"] / eng.step_seconds["DECODE"]
     achieved = 2 * params * tok_s
-    peak = matmul_flops()
-    line("roofline", "decode_bs64", achieved / 1e9, "mm2048", peak / 1e9, "GFLOP/s",
-         f"({params / 1e6:.1f}M params, {tok_s:,.0f} tok/s; floor 50%)")
+    flops = matmul_flops()
+    vs_onednn = (f"; the same GEMM through oneDNN {flops['onednn'] / 1e9:.1f} GFLOP/s, "
+                 f"{achieved / flops['onednn']:.0%} of it" if "onednn" in flops else "")
+    line("roofline", "decode_bs64", achieved / 1e9, "mm2048", flops["mm"] / 1e9, "GFLOP/s",
+         f"({params / 1e6:.1f}M params, {tok_s:,.0f} tok/s{vs_onednn}; floor 50% of torch.mm)")
+
+
+def case_linear(path: str, scale: float) -> None:
+    """One decoder's worth of fp32 GEMMs (the bench model's shapes, weights streamed from
+    memory as in a real step): oneDNN with prepacked weights vs F.linear (MKL)."""
+    if not onednn_linear_works(torch.float32):
+        print("linear     oneDNN is unavailable in this torch build", flush=True)
+        return
+    h, inter, layers = BENCH_ARCH["hidden_size"], BENCH_ARCH["intermediate_size"], BENCH_ARCH["num_hidden_layers"]
+    shapes = [(3 * h, h), (h, h), (2 * inter, h), (h, inter)] * layers + [(BENCH_ARCH["vocab_size"], h)]
+    dense = [torch.randn(n, k) * 0.02 for n, k in shapes]
+    packed = [Linear(w, onednn=True) for w in dense]
+    for rows in (1, 32, 64, max(64, int(2048 * scale))):
+        xs = {k: torch.randn(rows, k) for k in (h, inter)}
+        t_mkl = _time(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in dense], 3)
+        t_dnn = _time(lambda xs=xs: [lin(xs[lin.in_features]) for lin in packed], 3)
+        line("linear", f"rows={rows} torch", 1e3 * t_mkl, "onednn", 1e3 * t_dnn, "ms per model",
+             f"(oneDNN's speedup; {2 * rows * sum(n * k for n, k in shapes) / t_dnn / 1e9:.0f} GFLOP/s)")
 
 
 def case_overlap(path: str, scale: float) -> None:
@@ -170,13 +203,13 @@ def case_overlap(path: str, scale: float) -> None:
 
 
 CASES = {"mixed": case_mixed, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
-         "overlap": case_overlap}
+         "overlap": case_overlap, "linear": case_linear}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="mixed,prefix,overhead,roofline,overlap", help=f"comma list of {list(CASES)}")
+    ap.add_argument("--cases", default="mixed,prefix,overhead,roofline,overlap,linear", help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true", help="tiny workloads: a smoke run, not a measurement")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     args = ap.parse_args(argv)

@@ -12,6 +12,7 @@ from engine.errors import ConfigError
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -44,6 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     enable_mixed_chunk: bool = False
     enable_overlap: bool = False
     attention_backend: str = "torch"
+    linear_backend: str = "auto"  # auto: oneDNN with prepacked weights on the CPU, else torch
     disable_cuda_graph: bool = False  # decode/IDLE graphs on CUDA (with a graph-safe backend)
     cuda_graph_max_bs: int = 64
     init_new_token_ratio: float = 0.7
@@ -61,6 +63,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
              f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         need(self.attention_backend in ATTENTION_BACKENDS,
              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        need(self.linear_backend in LINEAR_BACKENDS,
+             f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
+from kernels.cpu_linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -57,7 +58,8 @@ class LlamaModel:
     """Weights as plain tensors (no nn.Module): fused qkv and gate_up projections."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1)) -> None:
+                 device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
+                 onednn: bool = False) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -72,12 +74,13 @@ class LlamaModel:
                 raise ConfigError(f"checkpoint is missing weight {name!r}")
             return weights[name].to(device=device, dtype=dtype)
 
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, onednn=onednn)
+
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = w("lm_head.weight")
+        self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = linear(self.embed if self.tied else w("lm_head.weight"))
         rank, world = mlp_shard
         inter = cfg.intermediate_size
         if inter % world:
@@ -86,16 +89,17 @@ class LlamaModel:
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
+            qkv_bias = (torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                        if cfg.attention_bias else None)
             layer = {
                 "input_norm": w(p + "input_layernorm.weight"),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "qkv": torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                "o": w(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight")[lo:hi], w(p + "mlp.up_proj.weight")[lo:hi]]),
-                "down": w(p + "mlp.down_proj.weight")[:, lo:hi].contiguous(),
+                "qkv": linear(torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]), qkv_bias),
+                "o": linear(w(p + "self_attn.o_proj.weight")),
+                "gate_up": linear(torch.cat([w(p + "mlp.gate_proj.weight")[lo:hi],
+                                             w(p + "mlp.up_proj.weight")[lo:hi]])),
+                "down": linear(w(p + "mlp.down_proj.weight")[:, lo:hi].contiguous()),
             }
-            if cfg.attention_bias:
-                layer["qkv_bias"] = torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
             if cfg.qk_norm:
                 layer["q_norm"] = w(p + "self_attn.q_norm.weight")
                 layer["k_norm"] = w(p + "self_attn.k_norm.weight")
@@ -111,7 +115,7 @@ class LlamaModel:
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.norm.numel()
-        n += 0 if self.lm_head is self.embed else self.lm_head.numel()
+        n += 0 if self.tied else self.lm_head.numel()
         return n + sum(t.numel() for layer in self.layers for t in layer.values())
 
     def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
@@ -125,7 +129,7 @@ class LlamaModel:
         residual = h
         for i, layer in enumerate(self.layers):
             x = rms_norm(residual, layer["input_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"], layer.get("qkv_bias"))
+            qkv = layer["qkv"](x)
             qk, v = qkv.view(T, nq + 2 * nkv, hd).split([nq + nkv, nkv], dim=1)
             if cfg.qk_norm:
                 q, k = qk.split([nq, nkv], dim=1)
@@ -133,18 +137,18 @@ class LlamaModel:
                                 rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)], dim=1)
             q, k = apply_rope(qk, cos, sin).split([nq, nkv], dim=1)  # q and k in one pass
             o = attn.forward(q, k, v, i, fb)
-            residual = residual + F.linear(o.reshape(T, self.q_size), layer["o"])
+            residual = residual + layer["o"](o.reshape(T, self.q_size))
             x = rms_norm(residual, layer["post_norm"], cfg.rms_norm_eps)
             residual = residual + self._mlp(x, layer)
         h = residual[fb.last_token_indices]
         h = rms_norm(h, self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head)
+        return self.lm_head(h)
 
     def _mlp(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
         if self.mlp_comm is not None:
             x = self.mlp_comm.gather(x)
-        gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, layer["down"])
+        gate, up = layer["gate_up"](x).chunk(2, dim=-1)
+        out = layer["down"](F.silu(gate) * up)
         if self.mlp_comm is not None:
             out = self.mlp_comm.reduce_scatter(out)
         return out

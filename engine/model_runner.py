@@ -10,7 +10,8 @@ from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model import LlamaModel, load_weights
-from engine.sampling import SampleResult, sample
+from engine.sampling import SampleResult, sample, sample_on_device
+from kernels.cpu_linear import use_onednn
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 256 << 20  # default KV pool on CPU when max_total_tokens is not set
@@ -43,7 +44,8 @@ class ModelRunner:
                                    cfg.max_position_embeddings)
         # mlp_shard (rank, world): attention-DP splits every MLP's intermediate dim over the group.
         self.model = LlamaModel(cfg, load_weights(model_dir), self.dtype, self.device,
-                                self.max_context_len, mlp_shard)
+                                self.max_context_len, mlp_shard,
+                                onednn=use_onednn(config.linear_backend, self.device, self.dtype))
         per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                             cfg.head_dim, self.dtype)
         self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)
@@ -55,7 +57,9 @@ class ModelRunner:
                                 cfg.head_dim, self.dtype, self.device)
         self.attn_backend = create_attention_backend(config.attention_backend, self.req_to_token_pool,
                                                      self.kv_cache, self.model.scale, self.device)
-        self.forward_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        cuda = self.device.type == "cuda"
+        self.forward_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None  # sampled ids -> host
         self.graph_runner = None
         if (self.device.type == "cuda" and not config.disable_cuda_graph and mlp_shard[1] == 1
                 and config.attention_backend == "triton"):  # the torch backend's gather is not graph-safe
@@ -88,7 +92,7 @@ class ModelRunner:
         return sample(logits, reqs)
 
     @torch.inference_mode()
-    def forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> SampleResult:
+    def forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> PendingSample:
         """The forward side of overlap scheduling. Decode inputs not sampled yet when the batch
         was built are read here from the future-token buffer (indexed by request row), which
         the previous forward has written by now: forwards run one after another."""
@@ -100,15 +104,41 @@ class ModelRunner:
         with torch.cuda.stream(self.forward_stream):
             return self._forward_and_sample(fb, reqs, from_future)
 
-    def _forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> SampleResult:
+    def _forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> PendingSample:
         fb.resolve_forward_inputs(self.device)
         if from_future:
             fb.input_ids = self.future_token_ids[fb.req_pool_indices]
         logits = self.forward(fb)
         if logits is None:
-            return SampleResult(next_token_ids=[], logprobs=[])
-        result = sample(logits, reqs)
-        rows = fb.req_pool_indices
-        self.future_token_ids[rows] = torch.tensor(result.next_token_ids, dtype=torch.int64).to(
-            rows.device, non_blocking=True)
-        return result
+            return PendingSample(torch.empty(0, dtype=torch.int64), [])
+        next_ids, logprobs = sample_on_device(logits, reqs)
+        # Device to device: the next decode batch reads its inputs here, not from the host.
+        self.future_token_ids[fb.req_pool_indices] = next_ids
+        if self.copy_stream is None:
+            return PendingSample(next_ids, logprobs)
+        # The ids go to pinned host memory on the copy stream; the scheduler waits on the event
+        # only when it processes this batch. Until then the batch's tensors stay referenced, so
+        # the caching allocator cannot hand their memory to a later batch while streams read it.
+        self.copy_stream.wait_stream(self.forward_stream)
+        with torch.cuda.stream(self.copy_stream):
+            host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
+            host.copy_(next_ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return PendingSample(host, logprobs, event, keepalive=(fb, logits, next_ids))
+
+
+class PendingSample:
+    """Sampled ids on their way to the host (an event marks the end of the copy on CUDA)."""
+
+    __slots__ = ("host_ids", "logprobs", "event", "keepalive")
+
+    def __init__(self, host_ids: torch.Tensor, logprobs: list, event: torch.cuda.Event | None = None,
+                 keepalive: tuple | None = None) -> None:
+        self.host_ids, self.logprobs, self.event, self.keepalive = host_ids, logprobs, event, keepalive
+
+    def resolve(self) -> SampleResult:
+        if self.event is not None:
+            self.event.synchronize()
+        self.keepalive = None
+        return SampleResult(next_token_ids=self.host_ids.tolist(), logprobs=self.logprobs)

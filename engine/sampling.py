@@ -91,6 +91,13 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
 
 def sample(logits: torch.Tensor, reqs: list) -> SampleResult:
     """Pick one token per row. `reqs` carry `.sampling_params`, `.generator`, ids for penalties."""
+    next_ids, logprobs = sample_on_device(logits, reqs)
+    return SampleResult(next_token_ids=next_ids.tolist(), logprobs=logprobs)
+
+
+def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, list]:
+    """The sampled ids stay on the logits' device (the caller decides when to copy them to the
+    host); logprobs, only computed when a request asks for them, are host values already."""
     logits = logits.float()
     want_logprobs = [r.sampling_params.logprobs for r in reqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -108,19 +115,17 @@ def sample(logits: torch.Tensor, reqs: list) -> SampleResult:
         for j, i in enumerate(random_rows):
             next_ids[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
 
-    next_list = next_ids.tolist()
     out: list = [None] * len(reqs)
     if raw_logprobs is not None:
+        chosen = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
         for i, r in enumerate(reqs):
             if want_logprobs[i]:
-                row = raw_logprobs[i]
-                n = r.sampling_params.top_logprobs
                 top = []
-                if n:
-                    vals, idx = torch.topk(row, n)
+                if r.sampling_params.top_logprobs:
+                    vals, idx = torch.topk(raw_logprobs[i], r.sampling_params.top_logprobs)
                     top = list(zip(idx.tolist(), vals.tolist()))
-                out[i] = (float(row[next_list[i]]), top)
-    return SampleResult(next_token_ids=next_list, logprobs=out)
+                out[i] = (chosen[i], top)
+    return next_ids, out
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

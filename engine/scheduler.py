@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.errors import MemoryInvariantError
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.model_runner import PendingSample
 from engine.radix_cache import NoRadixCache, RadixCache
 from engine.req import FinishReason, Req
 from engine.sampling import SampleResult
@@ -281,16 +282,17 @@ class Scheduler:
         self.batches_by_mode[mode] += 1
         self.last_mode = mode
 
-        def job() -> SampleResult:
+        def job() -> PendingSample:
             t0 = time.perf_counter()
-            result = self.model_runner.forward_and_sample(fb, batch.reqs, batch.input_ids_from_future)
+            pending = self.model_runner.forward_and_sample(fb, batch.reqs, batch.input_ids_from_future)
             self.forward_seconds[mode] += time.perf_counter() - t0
-            return result
+            return pending
 
         if executor is None:
-            result = job()
-            return lambda: result
-        return executor.submit(job).result
+            pending = job()
+            return pending.resolve
+        future = executor.submit(job)
+        return lambda: future.result().resolve()
 
     def process_batch_result(self, batch: ScheduleBatch, result: SampleResult) -> list[Req]:
         if batch.forward_mode.is_idle():
