@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import Engine, SamplingParams
 
@@ -30,6 +31,21 @@ def test_single_request(model_dirs, hf, name):
     ids = prompts(eng, 1, seed=1)
     out = eng.generate(input_ids=ids[0], sampling_params=GREEDY)
     assert_matches_hf(eng, hf, model_dirs[name], ids, [out])
+    eng.check_memory()
+
+
+@pytest.mark.parametrize("linear_backend", ["onednn", "torch"])
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_linear_backends(model_dirs, hf, name, linear_backend):
+    """oneDNN (prepacked weights, the CPU default where it works) and F.linear both match."""
+    from kernels.cpu_linear import onednn_linear_works
+
+    if linear_backend == "onednn" and not onednn_linear_works(torch.float32):
+        pytest.skip("this torch build has no working oneDNN linear")
+    eng = Engine(model_path=model_dirs[name], linear_backend=linear_backend)
+    assert (eng.model_runner.model.lm_head.packed is not None) == (linear_backend == "onednn")
+    ids = prompts(eng, 8, seed=5, lo=1, hi=50)
+    assert_matches_hf(eng, hf, model_dirs[name], ids, eng.generate(input_ids=ids, sampling_params=GREEDY))
     eng.check_memory()
 
 
