@@ -2,8 +2,10 @@
 
     python scripts/scaling_probe.py      # 1 process x 64 requests vs 2 processes x 32, 1 thread each
 
-Separates the machine's limit (memory bandwidth shared by the cores) from the cluster's own
-overhead when reading `python -m cluster.bench`'s `scale` line."""
+Separates what two engines can reach on this machine from the cluster's own overhead when
+reading `python -m cluster.bench`'s `scale` line. A control line runs the same number of
+batch-64 GEMMs over a 64 MB weight (streamed from memory) in one process vs two: it shows
+whether the cores slow each other down."""
 
 from __future__ import annotations
 
@@ -28,10 +30,24 @@ def worker(start: int, stop: int, barrier, out) -> None:
     out.put((sum(outs[start:stop]), time.perf_counter() - t0))
 
 
-def run(parts: list[tuple[int, int]]) -> float:
+def gemm_worker(start: int, stop: int, barrier, out) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    x, w = torch.randn(64, 4096), torch.randn(4096, 4096)
+    for _ in range(3):
+        x @ w
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(stop - start):
+        x @ w
+    out.put((stop - start, time.perf_counter() - t0))
+
+
+def run(parts: list[tuple[int, int]], target=worker) -> float:
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(len(parts)), ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(a, b, barrier, out)) for a, b in parts]
+    procs = [ctx.Process(target=target, args=(a, b, barrier, out)) for a, b in parts]
     for p in procs:
         p.start()
     results = [out.get() for _ in procs]
@@ -45,3 +61,6 @@ if __name__ == "__main__":
     two = run([(0, 32), (32, 64)])
     print(f"probe      2_processes={two:,.1f} out tok/s  1_process={one:,.1f} out tok/s  ratio={two / one:.2f}x "
           "(no Ray; 1 torch thread each)", flush=True)
+    one, two = run([(0, 200)], gemm_worker), run([(0, 100), (100, 200)], gemm_worker)
+    print(f"control    2_processes={two:,.1f} gemm/s  1_process={one:,.1f} gemm/s  ratio={two / one:.2f}x "
+          "(64x4096 @ 4096x4096 fp32, 1 thread each)", flush=True)
