@@ -1,0 +1,75 @@
+"""Prefill admission: which waiting requests join the next prefill batch, and how much of each."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from engine.memory import TokenToKVPoolAllocator
+from engine.req import Req
+
+
+class AddResult(Enum):
+    CONTINUE = auto()
+    NO_TOKEN = auto()  # KV budget exhausted
+    OTHER = auto()  # prefill token budget or chunk exhausted
+
+
+class PrefillAdder:
+    """Admits waiting requests under three budgets: KV slots (minus a reserve for the running
+    requests' future tokens), prefill tokens per batch, and the chunk size."""
+
+    def __init__(self, tree_cache, allocator: TokenToKVPoolAllocator, running: list[Req],
+                 new_token_ratio: float, max_prefill_tokens: int, chunk_size: int) -> None:
+        self.tree_cache = tree_cache
+        reserve = sum((r.sampling_params.max_new_tokens - len(r.output_ids)) * new_token_ratio for r in running)
+        self.rem_total_tokens = allocator.available_size() + tree_cache.evictable_size() - reserve
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunk_size
+        self.new_token_ratio = new_token_ratio
+        self.has_running = bool(running)
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    def _lock(self, req: Req) -> None:
+        before = self.tree_cache.evictable_size()
+        self.tree_cache.inc_lock_ref(req.last_node)
+        # Locked prefix slots are no longer evictable: they leave the budget.
+        self._locked_delta = before - self.tree_cache.evictable_size()
+        self.rem_total_tokens -= self._locked_delta
+        req.cache_protected_len = len(req.prefix_indices)
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue a request whose prompt is being prefilled chunk by chunk."""
+        fits = int(self.rem_total_tokens)
+        req.extend_input_len = min(req.seqlen - req.kv_len, self.rem_chunk_tokens, fits)
+        if req.extend_input_len <= 0:  # no room this round: decode frees or retracts first
+            self.new_chunked_req = req
+            return
+        self.can_run.append(req)
+        future = req.sampling_params.max_new_tokens - len(req.output_ids)
+        self.rem_total_tokens -= req.extend_input_len + future * self.new_token_ratio
+        self.rem_input_tokens -= req.extend_input_len
+        self.rem_chunk_tokens -= req.extend_input_len
+        if req.kv_len + req.extend_input_len < req.seqlen:
+            self.new_chunked_req = req
+
+    def add_one_req(self, req: Req) -> AddResult:
+        ext = req.extend_input_len
+        future = (req.sampling_params.max_new_tokens - len(req.output_ids))
+        first = not self.can_run and not self.has_running
+        if (ext > self.rem_input_tokens and self.can_run) or self.rem_chunk_tokens <= 0:
+            return AddResult.OTHER
+        self._lock(req)  # first: locking its prefix takes those slots out of the budget
+        # The very first request goes in whenever its prompt fits, so progress is guaranteed.
+        if min(ext, self.rem_chunk_tokens) + (0 if first else future) > self.rem_total_tokens:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            self.rem_total_tokens += self._locked_delta
+            return AddResult.NO_TOKEN
+        if ext > self.rem_chunk_tokens:
+            req.extend_input_len = self.rem_chunk_tokens
+            self.new_chunked_req = req
+        self.can_run.append(req)
+        self.rem_total_tokens -= req.extend_input_len + future * self.new_token_ratio
+        self.rem_input_tokens -= req.extend_input_len
+        self.rem_chunk_tokens -= req.extend_input_len
+        return AddResult.CONTINUE if self.new_chunked_req is None else AddResult.OTHER
