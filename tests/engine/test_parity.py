@@ -49,6 +49,18 @@ def test_linear_backends(model_dirs, hf, name, linear_backend):
     eng.check_memory()
 
 
+def test_long_prefill_batch(model_dirs, hf):
+    """One extend batch of more than CPU_MLP_ROWS tokens: the MLP runs in row blocks."""
+    from engine.model import CPU_MLP_ROWS
+
+    eng = Engine(model_path=model_dirs["llama"])
+    ids = prompts(eng, 4, seed=6, lo=CPU_MLP_ROWS // 2, hi=CPU_MLP_ROWS // 2 + 40)
+    outs = eng.generate(input_ids=ids, sampling_params=GREEDY)
+    assert eng.stats()["batches_by_mode"]["EXTEND"] == 1 and sum(map(len, ids)) > CPU_MLP_ROWS
+    assert_matches_hf(eng, hf, model_dirs["llama"], ids, outs)
+    eng.check_memory()
+
+
 def test_stories_text_matches_transformers(model_dirs, hf):
     from transformers import AutoTokenizer
 
