@@ -19,7 +19,10 @@ from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from kernels.cpu_linear import Linear
 
-CPU_MLP_ROWS = 512  # row block of the MLP for long CPU prefills
+# Long prefills on the CPU run the per-token parts of a layer (norm, projections, RoPE, MLP) in
+# blocks of this many rows, so their intermediates (the MLP's [rows, 2 x intermediate] above
+# all) stay in cache instead of streaming and page-faulting hundreds of MB per layer.
+CPU_ROW_BLOCK = 512
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,35 +129,57 @@ class LlamaModel:
         h = F.embedding(fb.input_ids, self.embed)
         cos = self.cos[fb.positions].unsqueeze(1)
         sin = self.sin_signed[fb.positions].unsqueeze(1)
-        nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        T, hd = h.shape[0], cfg.head_dim
-        residual = h
+        T = h.shape[0]
+        residual = h  # a fresh tensor: updated in place below
+        # Long CPU prefills fill one q/k/v buffer per forward block by block (not a new one per
+        # layer: first-touch page faults on a fresh buffer cost as much as the RoPE itself).
+        qkv_buf = None
+        if self.device.type == "cpu" and T > CPU_ROW_BLOCK:
+            qkv_buf = h.new_empty(T, cfg.num_attention_heads + 2 * cfg.num_key_value_heads, cfg.head_dim)
         for i, layer in enumerate(self.layers):
-            x = rms_norm(residual, layer["input_norm"], cfg.rms_norm_eps)
-            qkv = layer["qkv"](x)
-            qk, v = qkv.view(T, nq + 2 * nkv, hd).split([nq + nkv, nkv], dim=1)
-            if cfg.qk_norm:
-                q, k = qk.split([nq, nkv], dim=1)
-                qk = torch.cat([rms_norm(q, layer["q_norm"], cfg.rms_norm_eps),
-                                rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)], dim=1)
-            q, k = apply_rope(qk, cos, sin).split([nq, nkv], dim=1)  # q and k in one pass
+            q, k, v = self._attn_inputs(residual, layer, cos, sin, qkv_buf)
             o = attn.forward(q, k, v, i, fb)
-            residual = residual + layer["o"](o.reshape(T, self.q_size))
+            residual.add_(layer["o"](o.reshape(T, self.q_size)))
             x = rms_norm(residual, layer["post_norm"], cfg.rms_norm_eps)
-            residual = residual + self._mlp(x, layer)
+            residual.add_(self._mlp(x, layer))
         h = residual[fb.last_token_indices]
         h = rms_norm(h, self.norm, cfg.rms_norm_eps)
         return self.lm_head(h)
 
+    def _attn_inputs(self, residual: torch.Tensor, layer: dict, cos: torch.Tensor, sin: torch.Tensor,
+                     qkv_buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (views of one [T, heads, head_dim] tensor) after norm, projection and RoPE;
+        with `qkv_buf`, computed in row blocks into it."""
+        cfg = self.cfg
+        if qkv_buf is not None:
+            qkv = qkv_buf
+            for s in range(0, residual.shape[0], CPU_ROW_BLOCK):
+                blk = slice(s, s + CPU_ROW_BLOCK)
+                qkv[blk] = self._roped_qkv(residual[blk], layer, cos[blk], sin[blk])
+        else:
+            qkv = self._roped_qkv(residual, layer, cos, sin)
+        return qkv.split([cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads], dim=1)
+
+    def _roped_qkv(self, residual: torch.Tensor, layer: dict, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        nq, nkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
+        qkv = layer["qkv"](rms_norm(residual, layer["input_norm"], eps)).view(residual.shape[0], nq + 2 * nkv,
+                                                                               cfg.head_dim)
+        qk = qkv[:, :nq + nkv]
+        if cfg.qk_norm:
+            qk = torch.cat([rms_norm(qk[:, :nq], layer["q_norm"], eps), rms_norm(qk[:, nq:], layer["k_norm"], eps)],
+                           dim=1)
+        qkv[:, :nq + nkv] = apply_rope(qk, cos, sin)  # q and k in one pass
+        return qkv
+
     def _mlp(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
         if self.mlp_comm is not None:
             x = self.mlp_comm.gather(x)
-        if self.device.type == "cpu" and x.shape[0] > CPU_MLP_ROWS:
-            # A long prefill on the CPU: row blocks keep the [rows, 2 x intermediate] activation
-            # in cache instead of streaming (and page-faulting) hundreds of MB per layer.
+        if self.device.type == "cpu" and x.shape[0] > CPU_ROW_BLOCK:
             out = x.new_empty(x.shape[0], layer["down"].out_features)
-            for i in range(0, x.shape[0], CPU_MLP_ROWS):
-                out[i:i + CPU_MLP_ROWS] = self._mlp_rows(x[i:i + CPU_MLP_ROWS], layer)
+            for i in range(0, x.shape[0], CPU_ROW_BLOCK):
+                out[i:i + CPU_ROW_BLOCK] = self._mlp_rows(x[i:i + CPU_ROW_BLOCK], layer)
         else:
             out = self._mlp_rows(x, layer)
         if self.mlp_comm is not None:

@@ -50,13 +50,13 @@ def test_linear_backends(model_dirs, hf, name, linear_backend):
 
 
 def test_long_prefill_batch(model_dirs, hf):
-    """One extend batch of more than CPU_MLP_ROWS tokens: the MLP runs in row blocks."""
-    from engine.model import CPU_MLP_ROWS
+    """One extend batch of more than CPU_ROW_BLOCK tokens: norm/qkv/RoPE and the MLP run in row blocks."""
+    from engine.model import CPU_ROW_BLOCK
 
     eng = Engine(model_path=model_dirs["llama"])
-    ids = prompts(eng, 4, seed=6, lo=CPU_MLP_ROWS // 2, hi=CPU_MLP_ROWS // 2 + 40)
+    ids = prompts(eng, 4, seed=6, lo=CPU_ROW_BLOCK // 2, hi=CPU_ROW_BLOCK // 2 + 40)
     outs = eng.generate(input_ids=ids, sampling_params=GREEDY)
-    assert eng.stats()["batches_by_mode"]["EXTEND"] == 1 and sum(map(len, ids)) > CPU_MLP_ROWS
+    assert eng.stats()["batches_by_mode"]["EXTEND"] == 1 and sum(map(len, ids)) > CPU_ROW_BLOCK
     assert_matches_hf(eng, hf, model_dirs["llama"], ids, outs)
     eng.check_memory()
 
