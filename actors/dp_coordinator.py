@@ -2,14 +2,14 @@
 
 It is not called on every step (members agree on token counts in-band); only when an idle
 member gets work (`request_wave`), and when a member (re)starts (`join`). A member that joins
-twice in one epoch was restarted: the coordinator then restarts the others too (gang restart),
-since their collectives can no longer match."""
+twice in one epoch was restarted: the coordinator then opens a new epoch and tells the others
+to leave older ones (gang restart), since their collectives can no longer match. The order
+is conditional on the member's epoch, so a message that arrives late, after the member has
+restarted and joined the new epoch, is harmless."""
 
 from __future__ import annotations
 
 import asyncio
-
-import ray
 
 
 class DPCoordinator:
@@ -30,8 +30,8 @@ class DPCoordinator:
             self.joined = {}
             self._master_set.set()  # wake waiters of the abandoned epoch (they will raise)
             self._master_set = asyncio.Event()
-            for h in others:
-                ray.kill(h, no_restart=False)
+            for h in others:  # not ray.kill: a late kill would hit a member of the new epoch
+                h.leave_epochs_before.remote(self.epoch)
         self.joined[rank] = handle
         return self.epoch
 

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections import deque
 
 import ray
@@ -22,6 +23,7 @@ class EngineActor:
 
     def __init__(self, engine_config: dict, engine_id: int = 0, dp: dict | None = None) -> None:
         self.engine_id = engine_id
+        self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one it replaced
         self.dp_loop = None
         shard = (dp["rank"], dp["size"]) if dp else (0, 1)
         self.engine = Engine(EngineConfig.from_kwargs(**engine_config), mlp_shard=shard)
@@ -33,8 +35,14 @@ class EngineActor:
         self._outbox_lock = threading.Lock()
         self._outbox_ready = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Attention-DP: the epoch this member joined, and the oldest epoch it may still serve.
+        self._in_dp_group = dp is not None
+        self._dp_epoch: int | None = None
+        self._dp_min_epoch = 0
         if dp:
-            self._start_dp(**dp)
+            # Rendezvous on a thread: the constructor returns, so the coordinator's
+            # leave_epochs_before() reaches a member even while it waits for its peers.
+            threading.Thread(target=self._start_dp, kwargs=dp, name="radixray-dp-join", daemon=True).start()
         else:
             self.engine.start_loop()
 
@@ -42,19 +50,33 @@ class EngineActor:
         """Join the group (rendezvous through the coordinator) and run the lock-step loop."""
         from engine.dp import DPComm, DPLoop
 
-        epoch = ray.get(coordinator.join.remote(rank, ray.get_runtime_context().current_actor))
-        if rank == 0:
-            host = ray.util.get_node_ip_address()
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            ray.get(coordinator.set_master.remote(epoch, host, port))
-        else:
-            host, port = ray.get(coordinator.get_master.remote(epoch))
-        comm = DPComm(host, port, rank, size, self.engine.model_runner.device, timeout_s)
-        self.dp_loop = DPLoop(self.engine, comm, lambda: coordinator.request_wave.remote(), self._die)
-        self.engine.on_work = self.dp_loop.wake
-        self.dp_loop.start()
+        try:
+            epoch = ray.get(coordinator.join.remote(rank, ray.get_runtime_context().current_actor))
+            self._dp_epoch = epoch
+            if epoch < self._dp_min_epoch:  # the group moved on while we joined
+                raise RuntimeError(f"joined epoch {epoch}, but the group is at {self._dp_min_epoch}")
+            if rank == 0:
+                host = ray.util.get_node_ip_address()
+                with socket.socket() as s:
+                    s.bind(("", 0))
+                    port = s.getsockname()[1]
+                ray.get(coordinator.set_master.remote(epoch, host, port))
+            else:
+                host, port = ray.get(coordinator.get_master.remote(epoch))
+            comm = DPComm(host, port, rank, size, self.engine.model_runner.device, timeout_s)
+            self.dp_loop = DPLoop(self.engine, comm, lambda: coordinator.request_wave.remote(), self._die)
+            self.engine.on_work = self.dp_loop.wake
+            self.dp_loop.start()
+        except BaseException as e:  # a peer vanished mid-rendezvous, an abandoned epoch: start over
+            self._die(e)
+
+    def leave_epochs_before(self, epoch: int) -> None:
+        """The coordinator started `epoch` (a member restarted): a member of an older epoch
+        restarts and rejoins. Conditional, unlike ray.kill: a late call cannot take down a
+        member that has already joined the new epoch."""
+        self._dp_min_epoch = max(self._dp_min_epoch, epoch)
+        if self._dp_epoch is not None and self._dp_epoch < epoch:
+            self._die(RuntimeError(f"DP epoch {self._dp_epoch} was replaced by {epoch}"))
 
     @staticmethod
     def _die(error: BaseException) -> None:
@@ -105,8 +127,9 @@ class EngineActor:
         if first:
             self._loop.call_soon_threadsafe(self._outbox_ready.set)
 
-    async def submit(self, payload: bytes) -> None:
-        """Queue a request whose deltas go to the outputs() channel (the cluster's path)."""
+    async def submit(self, payload: bytes) -> str:
+        """Queue a request whose deltas go to the outputs() channel (the cluster's path).
+        Returns this actor instance's incarnation."""
         self._loop = self._loop or asyncio.get_running_loop()
         req = decode_request(payload)
         try:
@@ -114,6 +137,10 @@ class EngineActor:
         except InvalidRequestError as e:
             self._to_outbox(StreamDelta(rid=req.rid, text="", token_ids=[], finish_reason="abort",
                                         prompt_tokens=len(req.input_ids), error=f"invalid request: {e}"))
+        return self.incarnation
+
+    def incarnation_id(self) -> str:
+        return self.incarnation
 
     async def outputs(self):
         """One long-lived stream carrying every submitted request's deltas, batched: one Ray
@@ -138,6 +165,8 @@ class EngineActor:
         return out
 
     def check_health(self) -> bool:
+        if self._in_dp_group and self.dp_loop is None:
+            raise RuntimeError(f"engine {self.engine_id} is still joining its DP group")
         if self.engine.dead is not None:
             raise RuntimeError(f"engine {self.engine_id} is dead: {self.engine.dead}")
         return True

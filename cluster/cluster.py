@@ -87,6 +87,7 @@ class Cluster:
         self._lock = threading.Lock()  # guards the router (request loops and the health thread)
         self._closed = threading.Event()
         self._where: dict[str, int] = {}  # request id -> engine, while in flight
+        self._incarnation: dict[str, str] = {}  # request id -> the engine instance that took it
         self._subs: dict[str, tuple[int, asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._consumers_started = False
         self._consumers: list = []
@@ -94,6 +95,7 @@ class Cluster:
         threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
         self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
         self._health.start()
+        self.wait_healthy(timeout_s=600)  # attention-DP members are healthy once their group has formed
 
     @staticmethod
     def _make_dp_groups(cfg: ClusterConfig) -> tuple[list, list[dict | None]]:
@@ -163,7 +165,9 @@ class Cluster:
             streamed = finished = dead = False
             self._subscribe(rid, idx, queue)
             try:
-                await self.actors[idx].submit.remote(payload)
+                incarnation = await self.actors[idx].submit.remote(payload)
+                with self._lock:
+                    self._incarnation[rid] = incarnation
                 while True:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
@@ -210,6 +214,7 @@ class Cluster:
         with self._lock:
             self._subs.pop(rid, None)
             self._where.pop(rid, None)
+            self._incarnation.pop(rid, None)
 
     def _deliver(self, rid: str, item: Any) -> None:
         sub = self._subs.get(rid)
@@ -229,8 +234,15 @@ class Cluster:
                 if self._closed.is_set():
                     return
                 log.warning("output stream of engine %d broke: %s", i, type(e).__name__)
+            # Doom only requests taken by an instance that is gone: a break noticed late, after
+            # Ray restarted the engine, must not fail requests the new instance holds.
+            try:
+                live = await asyncio.wait_for(self.actors[i].incarnation_id.remote(), timeout=5)
+            except Exception:
+                live = None  # dead, restarting or hung: every request on it is lost
             with self._lock:
-                doomed = [rid for rid, (idx, _, _) in self._subs.items() if idx == i]
+                doomed = [rid for rid, (idx, _, _) in self._subs.items()
+                          if idx == i and (live is None or self._incarnation.get(rid, live) != live)]
             for rid in doomed:
                 self._deliver(rid, _ENGINE_DIED)
             await asyncio.sleep(0.2)

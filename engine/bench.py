@@ -3,6 +3,7 @@
 Cases (same machine, same weights, float32, greedy, ignore_eos):
   mixed       64 requests, prompts U[16,256], outputs U[32,512]: this engine vs transformers
               `generate` in static batches of 16 (left padding, each batch runs to its longest).
+  prefill     32 prompts x 256 tokens, one output token: prompt tokens/s vs one transformers forward.
   prefix      4 groups x 16 requests, 1024-token shared prefix + 32 unique, 32 outputs:
               radix cache on vs off (total tokens/s).
   overhead    decode at batch 32: share of step wall time spent outside the model forward.
@@ -97,6 +98,21 @@ def case_mixed(path: str, scale: float) -> None:
     gc.collect()
     theirs = sum(outs) / run_hf_static(path, prompts, outs)
     line("mixed", "radixray", ours, "transformers_static16", theirs, "out tok/s", "(floor 3x)")
+
+
+def case_prefill(path: str, scale: float) -> None:
+    """32 prompts of 256 tokens, one output token each: a single 8192-token EXTEND batch."""
+    rng = random.Random(5)
+    n, plen = 32, max(32, int(256 * scale))
+    prompts, outs = random_prompts(n, plen, plen, BENCH_ARCH["vocab_size"], rng), [1] * n
+    eng = Engine(model_path=path, max_total_tokens=65536)
+    run_engine(eng, random_prompts(2, 8, 8, BENCH_ARCH["vocab_size"], rng), [1, 1])  # warm-up
+    ours = n * plen / run_engine(eng, prompts, outs)
+    assert eng.step_count["EXTEND"] == 2, "the prompts did not prefill as one batch"
+    del eng
+    gc.collect()
+    theirs = n * plen / run_hf_static(path, prompts, outs, batch=n)
+    line("prefill", "radixray", ours, "transformers", theirs, "prompt tok/s", f"({n} x {plen} tokens, one forward)")
 
 
 def case_prefix(path: str, scale: float) -> None:
@@ -202,14 +218,14 @@ def case_overlap(path: str, scale: float) -> None:
          f"({overlapped} decode steps overlapped)")
 
 
-CASES = {"mixed": case_mixed, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
+CASES = {"mixed": case_mixed, "prefill": case_prefill, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
          "overlap": case_overlap, "linear": case_linear}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="mixed,prefix,overhead,roofline,overlap,linear", help=f"comma list of {list(CASES)}")
+    ap.add_argument("--cases", default="mixed,prefill,prefix,overhead,roofline,overlap,linear", help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true", help="tiny workloads: a smoke run, not a measurement")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     args = ap.parse_args(argv)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 
@@ -12,6 +11,7 @@ import ray
 from actors.protocol import GenerateRequest, decode_delta, encode
 from cluster import Cluster, ClusterConfig
 from engine import Engine, SamplingParams
+from tests.ray.streams import finals_after
 
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
@@ -76,18 +76,8 @@ def test_engine_killed_under_load(ray_local, model_dirs):
                         request_timeout_s=120, health_check_period_s=0.5)
     with Cluster(cfg) as cl:
         params = SamplingParams(max_new_tokens=1500, temperature=0.0, ignore_eos=True)
-
-        async def run_all():
-            async def one(i):
-                deltas = [d async for d in cl.stream(prompt=f"Story {i}: once upon a time", sampling_params=params)]
-                return deltas[-1]
-
-            tasks = [asyncio.create_task(one(i)) for i in range(12)]
-            await asyncio.sleep(1.0)
-            ray.kill(cl.actors[0], no_restart=False)
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
-
-        finals = cl.run(run_all())
+        finals = cl.run(finals_after(cl, [f"Story {i}: once upon a time" for i in range(12)], params,
+                                     lambda: ray.kill(cl.actors[0], no_restart=False), timeout_s=180))
         assert len(finals) == 12
         for f in finals:  # every request ended: full output, or an explicit error
             assert f.finish_reason in ("length", "abort")

@@ -11,6 +11,7 @@ import ray
 
 from cluster import Cluster, ClusterConfig
 from engine import Engine, SamplingParams
+from tests.ray.streams import finals_after
 
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
@@ -90,14 +91,8 @@ def test_killed_member_restarts_the_group(ray_local, model_dirs):
                         request_timeout_s=120, health_check_period_s=0.5)
     with Cluster(cfg) as cl:
         long = SamplingParams(max_new_tokens=1500, temperature=0.0, ignore_eos=True)
-
-        async def run():
-            tasks = [asyncio.create_task(_final(cl, f"Story {i}", long)) for i in range(4)]
-            await asyncio.sleep(1.0)
-            ray.kill(cl.actors[1], no_restart=False)
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
-
-        finals = cl.run(run())
+        finals = cl.run(finals_after(cl, [f"Story {i}" for i in range(4)], long,
+                                     lambda: ray.kill(cl.actors[1], no_restart=False)))
         assert len(finals) == 4 and all(f.finish_reason in ("length", "abort") for f in finals)
         assert any(f.error for f in finals)  # the group went down under them: explicit errors
         deadline = time.monotonic() + 120
@@ -106,12 +101,8 @@ def test_killed_member_restarts_the_group(ray_local, model_dirs):
             time.sleep(0.5)
         assert all(cl.healthy()) and cl.dp_stats()[0]["restarts"] >= 1
         again = cl.generate(prompt=["Once upon a time"] * 2, sampling_params=GREEDY)
-        assert [o.token_ids for o in again] == [ref.token_ids] * 2
+        assert [o.token_ids for o in again] == [ref.token_ids] * 2, ([o.error for o in again], cl.dp_stats(), [o.token_ids for o in again], ref.token_ids, cl.stats()["engines"])
         cl.check_memory()
-
-
-async def _final(cl: Cluster, prompt: str, params: SamplingParams):
-    return [d async for d in cl.stream(prompt=prompt, sampling_params=params)][-1]
 
 
 def test_other_group_keeps_serving(ray_local, model_dirs):
@@ -120,7 +111,7 @@ def test_other_group_keeps_serving(ray_local, model_dirs):
     cfg = ClusterConfig(model_path=path, num_engines=4, dp_group_size=2, routing="round_robin", dp_attention=True,
                         request_timeout_s=120, health_check_period_s=0.5)
     with Cluster(cfg) as cl:
-        assert [g["members"] for g in cl.dp_stats()] == [[0, 1], [0, 1]]
+        assert [g["members"] for g in cl.dp_stats()] == [[0, 1], [0, 1]], cl.dp_stats()
         ray.kill(cl.actors[0], no_restart=False)  # group 0 goes down...
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and cl.healthy()[0]:
