@@ -23,6 +23,7 @@ from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from engine import EngineConfig, InvalidRequestError, SamplingParams, StreamDelta
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
 
 
 class AppArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -280,6 +281,7 @@ class OpenAIServer:
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
+        last_write = time.monotonic()
         async for i, d in self._merged(request, rid, inputs, params):
             per_choice[i].append(d)
             now = time.monotonic()
@@ -295,7 +297,14 @@ class OpenAIServer:
                     "code": "engine_error"}}) + b"\n\n"
                 continue
             if not d.text and d.finish_reason is None:
+                # Tokens with no visible text send nothing; an SSE comment now and then keeps the
+                # connection written to, which is how a client disconnect gets noticed (then the
+                # request is aborted). Clients ignore comment lines.
+                if now - last_write > SSE_KEEPALIVE_S:
+                    last_write = now
+                    yield b": keep-alive\n\n"
                 continue
+            last_write = now
             lp = self._logprobs([d], chat)
             if chat:
                 c = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
