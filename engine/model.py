@@ -19,7 +19,7 @@ from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from kernels.cpu_linear import Linear
 
-# Long prefills on the CPU run the per-token parts of a layer (norm, projections, RoPE, MLP) in
+# Long prefills on the CPU run the per-token parts of a layer (norms, projections, RoPE, MLP) in
 # blocks of this many rows, so their intermediates (the MLP's [rows, 2 x intermediate] above
 # all) stay in cache instead of streaming and page-faulting hundreds of MB per layer.
 CPU_ROW_BLOCK = 512
@@ -138,10 +138,12 @@ class LlamaModel:
             qkv_buf = h.new_empty(T, cfg.num_attention_heads + 2 * cfg.num_key_value_heads, cfg.head_dim)
         for i, layer in enumerate(self.layers):
             q, k, v = self._attn_inputs(residual, layer, cos, sin, qkv_buf)
-            o = attn.forward(q, k, v, i, fb)
-            residual.add_(layer["o"](o.reshape(T, self.q_size)))
-            x = rms_norm(residual, layer["post_norm"], cfg.rms_norm_eps)
-            residual.add_(self._mlp(x, layer))
+            o = attn.forward(q, k, v, i, fb).reshape(T, self.q_size)
+            if qkv_buf is not None and self.mlp_comm is None:  # (attention-DP's MLP needs all rows)
+                for s in range(0, T, CPU_ROW_BLOCK):
+                    self._attn_out_and_mlp(residual[s:s + CPU_ROW_BLOCK], o[s:s + CPU_ROW_BLOCK], layer)
+            else:
+                self._attn_out_and_mlp(residual, o, layer)
         h = residual[fb.last_token_indices]
         h = rms_norm(h, self.norm, cfg.rms_norm_eps)
         return self.lm_head(h)
@@ -172,6 +174,11 @@ class LlamaModel:
                            dim=1)
         qkv[:, :nq + nkv] = apply_rope(qk, cos, sin)  # q and k in one pass
         return qkv
+
+    def _attn_out_and_mlp(self, residual: torch.Tensor, o: torch.Tensor, layer: dict) -> None:
+        """o-projection, post-attention norm and MLP, added into `residual` (rows of it) in place."""
+        residual.add_(layer["o"](o))
+        residual.add_(self._mlp(rms_norm(residual, layer["post_norm"], self.cfg.rms_norm_eps), layer))
 
     def _mlp(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
         if self.mlp_comm is not None:
