@@ -131,35 +131,40 @@ class LlamaModel:
         sin = self.sin_signed[fb.positions].unsqueeze(1)
         T = h.shape[0]
         residual = h  # a fresh tensor: updated in place below
-        # Long CPU prefills fill one q/k/v buffer per forward block by block (not a new one per
-        # layer: first-touch page faults on a fresh buffer cost as much as the RoPE itself).
+        blocks = self._row_blocks(T)
+        # Blocked: one q/k/v buffer per forward, filled block by block (not a new one per layer:
+        # first-touch page faults on a fresh buffer cost as much as the RoPE itself).
         qkv_buf = None
-        if self.device.type == "cpu" and T > CPU_ROW_BLOCK:
+        if len(blocks) > 1:
             qkv_buf = h.new_empty(T, cfg.num_attention_heads + 2 * cfg.num_key_value_heads, cfg.head_dim)
+        tail_blocks = blocks if self.mlp_comm is None else [slice(None)]  # attention-DP's MLP needs all rows
         for i, layer in enumerate(self.layers):
-            q, k, v = self._attn_inputs(residual, layer, cos, sin, qkv_buf)
+            q, k, v = self._attn_inputs(residual, layer, cos, sin, blocks, qkv_buf)
             o = attn.forward(q, k, v, i, fb).reshape(T, self.q_size)
-            if qkv_buf is not None and self.mlp_comm is None:  # (attention-DP's MLP needs all rows)
-                for s in range(0, T, CPU_ROW_BLOCK):
-                    self._attn_out_and_mlp(residual[s:s + CPU_ROW_BLOCK], o[s:s + CPU_ROW_BLOCK], layer)
-            else:
-                self._attn_out_and_mlp(residual, o, layer)
+            for blk in tail_blocks:
+                self._attn_out_and_mlp(residual[blk], o[blk], layer)
         h = residual[fb.last_token_indices]
         h = rms_norm(h, self.norm, cfg.rms_norm_eps)
         return self.lm_head(h)
 
+    def _row_blocks(self, rows: int) -> list[slice]:
+        """Long CPU prefills run per-token work in CPU_ROW_BLOCK-row blocks; else one block."""
+        if self.device.type != "cpu" or rows <= CPU_ROW_BLOCK:
+            return [slice(None)]
+        return [slice(s, s + CPU_ROW_BLOCK) for s in range(0, rows, CPU_ROW_BLOCK)]
+
     def _attn_inputs(self, residual: torch.Tensor, layer: dict, cos: torch.Tensor, sin: torch.Tensor,
-                     qkv_buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     blocks: list[slice], qkv_buf: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v (views of one [T, heads, head_dim] tensor) after norm, projection and RoPE;
-        with `qkv_buf`, computed in row blocks into it."""
+        with `qkv_buf`, computed block by block into it."""
         cfg = self.cfg
-        if qkv_buf is not None:
-            qkv = qkv_buf
-            for s in range(0, residual.shape[0], CPU_ROW_BLOCK):
-                blk = slice(s, s + CPU_ROW_BLOCK)
-                qkv[blk] = self._roped_qkv(residual[blk], layer, cos[blk], sin[blk])
-        else:
+        if qkv_buf is None:
             qkv = self._roped_qkv(residual, layer, cos, sin)
+        else:
+            qkv = qkv_buf
+            for blk in blocks:
+                qkv[blk] = self._roped_qkv(residual[blk], layer, cos[blk], sin[blk])
         return qkv.split([cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads], dim=1)
 
     def _roped_qkv(self, residual: torch.Tensor, layer: dict, cos: torch.Tensor,
@@ -183,12 +188,13 @@ class LlamaModel:
     def _mlp(self, x: torch.Tensor, layer: dict) -> torch.Tensor:
         if self.mlp_comm is not None:
             x = self.mlp_comm.gather(x)
-        if self.device.type == "cpu" and x.shape[0] > CPU_ROW_BLOCK:
-            out = x.new_empty(x.shape[0], layer["down"].out_features)
-            for i in range(0, x.shape[0], CPU_ROW_BLOCK):
-                out[i:i + CPU_ROW_BLOCK] = self._mlp_rows(x[i:i + CPU_ROW_BLOCK], layer)
-        else:
+        blocks = self._row_blocks(x.shape[0])  # > 1 only for attention-DP's gathered rows
+        if len(blocks) == 1:
             out = self._mlp_rows(x, layer)
+        else:
+            out = x.new_empty(x.shape[0], layer["down"].out_features)
+            for blk in blocks:
+                out[blk] = self._mlp_rows(x[blk], layer)
         if self.mlp_comm is not None:
             out = self.mlp_comm.reduce_scatter(out)
         return out

@@ -10,7 +10,7 @@ from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model import LlamaModel, load_weights
-from engine.sampling import SampleResult, sample, sample_on_device
+from engine.sampling import SampleResult, sample_on_device
 from kernels.cpu_linear import use_onednn
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,7 +61,7 @@ class ModelRunner:
         self.forward_stream = torch.cuda.Stream(self.device) if cuda else None
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None  # sampled ids -> host
         self.graph_runner = None
-        if (self.device.type == "cuda" and not config.disable_cuda_graph and mlp_shard[1] == 1
+        if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1
                 and config.attention_backend == "triton"):  # the torch backend's gather is not graph-safe
             from engine.cuda_graph import CudaGraphRunner
 
@@ -88,10 +88,6 @@ class ModelRunner:
         return None if fb.forward_mode.is_idle() else logits
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list) -> SampleResult:
-        return sample(logits, reqs)
-
-    @torch.inference_mode()
     def forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> PendingSample:
         """The forward side of overlap scheduling. Decode inputs not sampled yet when the batch
         was built are read here from the future-token buffer (indexed by request row), which
@@ -105,8 +101,7 @@ class ModelRunner:
             return self._forward_and_sample(fb, reqs, from_future)
 
     def _forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> PendingSample:
-        fb.resolve_forward_inputs(self.device)
-        if from_future:
+        if from_future:  # (forward() copies the other host-staged inputs)
             fb.input_ids = self.future_token_ids[fb.req_pool_indices]
         logits = self.forward(fb)
         if logits is None:

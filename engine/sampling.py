@@ -89,14 +89,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
 
 
-def sample(logits: torch.Tensor, reqs: list) -> SampleResult:
-    """Pick one token per row. `reqs` carry `.sampling_params`, `.generator`, ids for penalties."""
-    next_ids, logprobs = sample_on_device(logits, reqs)
-    return SampleResult(next_token_ids=next_ids.tolist(), logprobs=logprobs)
-
-
 def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, list]:
-    """The sampled ids stay on the logits' device (the caller decides when to copy them to the
+    """Pick one token per row. `reqs` carry `.sampling_params`, `.generator`, ids for penalties.
+    The sampled ids stay on the logits' device (the caller decides when to copy them to the
     host); logprobs, only computed when a request asks for them, are host values already."""
     logits = logits.float()
     want_logprobs = [r.sampling_params.logprobs for r in reqs]
