@@ -103,7 +103,7 @@ async def run_batch(cluster, lines: list[tuple[str, BatchLine]], out, max_in_fli
             try:
                 ids = cluster.inputs.tokenize(prompt=line.prompt, messages=line.messages)
                 params = line.sampling_params()
-                cluster.inputs.validate_length(len(ids), params)
+                cluster.inputs.validate_request(len(ids), params)
                 deltas = [d async for d in cluster.stream_ids(ids, params)]
                 text = "".join(d.text for d in deltas)
                 last = deltas[-1]

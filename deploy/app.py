@@ -208,7 +208,7 @@ class OpenAIServer:
             params = req.sampling(self.args.default_max_tokens)
             inputs = [self.cluster.inputs.tokenize(**p) for p in req.prompts()]
             for ids in inputs:
-                self.cluster.inputs.validate_length(len(ids), params)
+                self.cluster.inputs.validate_request(len(ids), params)
         except InvalidRequestError as e:
             self.metrics.requests["invalid"] += 1
             return error_response(400, str(e), param=e.param)

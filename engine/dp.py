@@ -72,6 +72,7 @@ class DPLoop:
         self.request_wave = request_wave
         self.on_fatal = on_fatal
         engine.model_runner.model.mlp_comm = comm
+        engine.scheduler.isolate_batch_failures = False
         self._cv = threading.Condition()
         self.signalled = 0  # waves the coordinator announced
         self.waves = 0  # waves this member has run

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import queue
 import random
 import threading
@@ -22,13 +23,15 @@ import torch
 
 from engine.builtin_model import builtin_model_path
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, ErrorKind
 from engine.inputs import InputProcessor
 from engine.model_runner import ModelRunner
 from engine.req import Req
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("radixray.engine")
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -49,6 +52,7 @@ class StreamDelta(msgspec.Struct):
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None  # set with error
 
 
 class GenerateOutput(msgspec.Struct):
@@ -60,6 +64,7 @@ class GenerateOutput(msgspec.Struct):
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
 
 class _Tracker:
@@ -97,6 +102,8 @@ class Engine:
         self._trackers: dict[str, _Tracker] = {}
         self._early_aborts: dict[str, None] = {}  # insertion-ordered, bounded
         self.on_work: Callable[[], None] | None = None  # extra wake-up hook (attention-DP loop)
+        # Called (on the loop thread) when the loop dies; the Ray actor exits so Ray restarts it.
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._step_lock = threading.Lock()
         # Overlap: one forward thread (on CUDA it would own the forward stream), and the batch in flight.
         self._forward_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixray-forward")
@@ -119,7 +126,7 @@ class Engine:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         params = self.inputs.as_params(sampling_params)
         self.inputs.validate_input_ids(input_ids)
-        self.inputs.validate_length(len(input_ids), params)
+        self.inputs.validate_request(len(input_ids), params)
         rid = rid or uuid.uuid4().hex
         gen = None
         if not params.is_greedy:
@@ -128,13 +135,15 @@ class Engine:
         req = Req(rid, list(input_ids), params, gen)
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
         self._inbox.put(("add", _Tracker(req, detok, sink)))
+        if self.dead is not None:  # the loop died while we queued: nobody else will answer
+            self._fail_pending()
         self._wake.set()
         if self.on_work is not None:
             self.on_work()
         return rid
 
     def abort(self, rid: str, message: str = "aborted by client") -> None:
-        self._inbox.put(("abort", (rid, message)))
+        self._inbox.put(("abort", (rid, message, "aborted")))
         self._wake.set()
         if self.on_work is not None:
             self.on_work()
@@ -149,12 +158,12 @@ class Engine:
             if kind == "add":
                 rid = item.req.rid
                 if rid in self._trackers:
-                    item.sink(self._error_delta(item.req, f"duplicate request id {rid!r}"))
+                    item.sink(self._error_delta(item.req, f"duplicate request id {rid!r}", "invalid_request"))
                     continue
                 if rid in self._early_aborts:  # its abort overtook it
                     del self._early_aborts[rid]
                     self.scheduler.num_aborted += 1
-                    item.sink(self._error_delta(item.req, "aborted before it started"))
+                    item.sink(self._error_delta(item.req, "aborted before it started", "aborted"))
                     continue
                 self._trackers[rid] = item
                 self.scheduler.add_request(item.req)
@@ -203,7 +212,7 @@ class Engine:
         else:
             touched += self._finish_inflight()
             if batch is not None:
-                touched += sched.process_batch_result(batch, sched.launch_batch(batch, self._forward_thread)())
+                touched += sched.complete(batch, sched.launch_batch(batch, self._forward_thread))
         return sched.execute(None, touched)
 
     def _can_overlap(self) -> bool:
@@ -218,12 +227,25 @@ class Engine:
             return []
         batch, wait = self._inflight
         self._inflight = None
-        return self.scheduler.process_batch_result(batch, wait())
+        return self.scheduler.complete(batch, wait)
 
     def _emit(self, req: Req) -> None:
         tr = self._trackers.get(req.rid)
         if tr is None:
             return
+        try:
+            self._emit_delta(req, tr)
+        except Exception as e:  # this request's output failed (detokenizer, sink): end it alone
+            log.exception("output of request %s failed", req.rid)
+            self._trackers.pop(req.rid, None)
+            if not req.finished():
+                self.scheduler.abort_request(req.rid, "output failed", "engine_error")
+            try:
+                tr.sink(self._error_delta(req, f"engine error: {type(e).__name__}: {e}", "engine_error"))
+            except Exception:
+                log.exception("could not report the failure of request %s", req.rid)
+
+    def _emit_delta(self, req: Req, tr: _Tracker) -> None:
         new = req.output_ids[tr.sent_tokens:]
         finished = req.finished()
         logprobs = None
@@ -239,14 +261,15 @@ class Engine:
             finish_reason=req.finished_reason.kind if finished else None,
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens, logprobs=logprobs,
-            error=req.finished_reason.message if finished and req.finished_reason.kind == "abort" else None)
+            error=req.finished_reason.message if finished and req.finished_reason.kind == "abort" else None,
+            error_kind=req.finished_reason.error_kind if finished else None)
         if finished:
             del self._trackers[req.rid]
         tr.sink(delta)
 
-    def _error_delta(self, req: Req, message: str) -> StreamDelta:
+    def _error_delta(self, req: Req, message: str, kind: ErrorKind) -> StreamDelta:
         return StreamDelta(rid=req.rid, text="", token_ids=[], finish_reason="abort",
-                           prompt_tokens=len(req.origin_input_ids), error=message)
+                           prompt_tokens=len(req.origin_input_ids), error=message, error_kind=kind)
 
     def start_loop(self) -> None:
         """Run steps on a background thread; it sleeps (no spinning) when there is no work."""
@@ -262,11 +285,32 @@ class Engine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
         except BaseException as e:  # a bug: fail every pending request loudly, never hang them
-            self.dead = e
-            for tr in list(self._trackers.values()):
-                tr.sink(self._error_delta(tr.req, f"engine failed: {type(e).__name__}: {e}"))
-            self._trackers.clear()
-            raise
+            self.die(e)
+
+    def die(self, error: BaseException) -> None:
+        """The loop cannot go on: fail every request it holds or has queued, then call on_fatal
+        (the actor exits, so Ray restarts it). Later submits raise EngineDeadError."""
+        self.dead = error
+        log.error("engine loop died; failing every pending request", exc_info=error)
+        self._fail_pending()
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def _fail_pending(self) -> None:
+        message = f"engine failed: {type(self.dead).__name__}: {self.dead}"
+        while True:  # requests still in the inbox were accepted too
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._trackers.setdefault(item.req.rid, item)
+        for tr in list(self._trackers.values()):
+            try:
+                tr.sink(self._error_delta(tr.req, message, "engine_error"))
+            except Exception:
+                log.exception("could not report the failure of request %s", tr.req.rid)
+        self._trackers.clear()
 
     # ---- convenience API ----------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
@@ -363,4 +407,4 @@ def collect_output(rid: str, deltas: list[StreamDelta]) -> GenerateOutput:
     return GenerateOutput(
         rid=rid, text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
         finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-        cached_tokens=last.cached_tokens, logprobs=logprobs, error=last.error)
+        cached_tokens=last.cached_tokens, logprobs=logprobs, error=last.error, error_kind=last.error_kind)

@@ -1,5 +1,14 @@
 """Typed errors. Each input error is a ValueError, so callers that only know Python still catch it."""
 
+from typing import Literal
+
+import msgspec
+
+# Why a request ended without finishing normally (StreamDelta.error_kind); the HTTP layer maps
+# each to a status: invalid_request 400, aborted 499-like (the client left), timeout 504,
+# overloaded 503, engine_error 500.
+ErrorKind = Literal["invalid_request", "aborted", "timeout", "overloaded", "engine_error"]
+
 
 class RadixRayError(Exception):
     """Base of every error radixray raises on purpose."""
@@ -26,3 +35,15 @@ class MemoryInvariantError(RadixRayError, AssertionError):
 
 class EngineDeadError(RadixRayError, RuntimeError):
     """The engine stopped; pending requests end with this error."""
+
+
+def invalid_request_from(err: msgspec.ValidationError, prefix: str = "") -> InvalidRequestError:
+    """The InvalidRequestError behind a msgspec ValidationError: the one a struct's
+    __post_init__ raised, or one naming the top-level field of msgspec's `$.field` path."""
+    if isinstance(err.__cause__, InvalidRequestError):
+        return err.__cause__
+    text = str(err)  # e.g. "Expected `float`, got `str` - at `$.temperature`"
+    param = None
+    if "at `$." in text:
+        param = text.split("at `$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    return InvalidRequestError(f"{prefix}{text}", param)

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, invalid_request_from
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -45,7 +45,14 @@ class InputProcessor:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", "prompt")
 
-    def validate_length(self, num_input: int, params: SamplingParams) -> None:
+    def validate_request(self, num_input: int, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the context limit and the vocabulary."""
+        vocab = self.vocab_size
+        if params.top_k > vocab:
+            raise InvalidRequestError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}",
+                                      "top_k")
+        if not all(0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         if num_input + params.max_new_tokens > self.max_len:
             raise InvalidRequestError(
                 f"prompt ({num_input} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
@@ -61,7 +68,7 @@ class InputProcessor:
             try:
                 return msgspec.convert(sp, SamplingParams)
             except msgspec.ValidationError as e:
-                raise InvalidRequestError(f"invalid sampling parameters: {e}") from None
+                raise invalid_request_from(e, "invalid sampling parameters: ") from None
         raise InvalidRequestError("sampling_params must be a SamplingParams or a dict")
 
     def prepare(self, prompt: Any = None, input_ids: Any = None, messages: Any = None,
@@ -78,5 +85,5 @@ class InputProcessor:
             raise InvalidRequestError("sampling_params list must match the number of prompts")
         params = [self.as_params(p) for p in params]
         for ids, p in zip(prompts, params):
-            self.validate_length(len(ids), p)
+            self.validate_request(len(ids), p)
         return prompts, params, single

@@ -190,6 +190,17 @@ class RadixCache:
         self.req_to_token_pool.free(req.req_pool_idx)
         req.release_kv_state()
 
+    def release_req(self, req: Req) -> None:
+        """End a failed request without caching: its newest KV may be garbage. Frees the slots
+        the request owns (past the tree's locked prefix), unlocks the prefix, frees the row."""
+        if req.req_pool_idx is not None:
+            own = self.req_to_token_pool.req_to_token[req.req_pool_idx, req.cache_protected_len:req.kv_len]
+            self.allocator.free(own.to(torch.int64))
+            self.req_to_token_pool.free(req.req_pool_idx)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.release_kv_state()
+
     def cache_unfinished_req(self, req: Req) -> None:
         """After a prefill chunk: cache what is computed and re-lock the request on it."""
         self._insert_req(req)
@@ -243,6 +254,11 @@ class NoRadixCache:
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len]
         self.allocator.free(row.to(torch.int64))
         self.req_to_token_pool.free(req.req_pool_idx)
+        req.release_kv_state()
+
+    def release_req(self, req: Req) -> None:
+        if req.req_pool_idx is not None:
+            self.cache_finished_req(req)
         req.release_kv_state()
 
     def cache_unfinished_req(self, req: Req) -> None:

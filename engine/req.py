@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from engine.errors import ErrorKind
 from engine.sampling import SamplingParams
 
 
 class FinishReason:
-    __slots__ = ("kind", "matched", "message")
+    __slots__ = ("kind", "matched", "message", "error_kind")
 
-    def __init__(self, kind: str, matched: int | str | None = None, message: str | None = None) -> None:
+    def __init__(self, kind: str, matched: int | str | None = None, message: str | None = None,
+                 error_kind: ErrorKind | None = None) -> None:
         self.kind = kind  # "stop" | "length" | "abort"
         self.matched = matched  # the EOS/stop token id or stop string that ended it
         self.message = message  # why an abort happened
+        self.error_kind = error_kind  # set with kind "abort"
 
     def __repr__(self) -> str:
         return f"FinishReason({self.kind!r}, {self.matched!r})"
@@ -40,7 +43,7 @@ class Req:
         self.extend_input_len = 0  # tokens computed by the current extend
         self.cached_tokens = 0  # prompt tokens served from the radix cache (first admission)
         self.finished_reason: FinishReason | None = None
-        self.to_abort: str | None = None
+        self.to_abort: tuple[str, ErrorKind] | None = None  # (message, kind) once marked
         self.output_logprobs: list = []
         self.num_retractions = 0
         self.stop_str_max_len = max((len(s) for s in sampling_params.stop), default=0)

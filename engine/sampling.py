@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import torch
 
 from engine.errors import InvalidRequestError
+
+# Below this a temperature is greedy (vLLM's epsilon): dividing logits by it would overflow.
+TEMPERATURE_EPS = 1e-5
+# Penalty factors outside this range push float32 logits to inf or to 0 for no visible effect.
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+MAX_INT32 = (1 << 31) - 1
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -35,8 +43,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             v = getattr(self, name)
             if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
                 raise InvalidRequestError(f"{name} has the wrong type: {type(v).__name__}", name)
-        if not all(isinstance(t, int) for t in self.stop_token_ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be integers", "stop_token_ids")
+        for name, kinds in _FIELD_KINDS.items():
+            v = getattr(self, name)
+            if float in kinds and not _is_finite(v):
+                raise InvalidRequestError(f"{name} must be a finite number, got {v}", name)
+        if 0.0 < self.temperature < TEMPERATURE_EPS:
+            msgspec.structs.force_setattr(self, "temperature", 0.0)
+        if self.seed is not None:  # any integer seeds a 64-bit generator
+            msgspec.structs.force_setattr(self, "seed", self.seed % (1 << 64))
 
         def need(cond: bool, msg: str, param: str) -> None:
             if not cond:
@@ -45,11 +61,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         need(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_tokens")
         need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}", "temperature")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        need(self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (off) or >= 0, got {self.top_k}", "top_k")
+        need(self.max_new_tokens <= MAX_INT32, f"max_new_tokens must be < 2^31, got {self.max_new_tokens}",
+             "max_tokens")
+        need(-1 <= self.top_k <= MAX_INT32, f"top_k must be -1 (off) or in [0, 2^31), got {self.top_k}", "top_k")
         need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]", "frequency_penalty")
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]", "presence_penalty")
-        need(self.repetition_penalty > 0.0, "repetition_penalty must be > 0", "repetition_penalty")
+        lo, hi = REPETITION_PENALTY_RANGE
+        need(lo <= self.repetition_penalty <= hi, f"repetition_penalty must be in [{lo}, {hi}], got "
+             f"{self.repetition_penalty}", "repetition_penalty")
         need(0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]", "top_logprobs")
         need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", "stop")
         need(len(self.stop) <= 16, "at most 16 stop strings", "stop")
@@ -61,6 +81,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def has_penalties(self) -> bool:
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+
+def _is_finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 _FIELD_KINDS: dict[str, tuple[type, ...]] = {
@@ -75,6 +102,8 @@ class SampleResult(msgspec.Struct):
     next_token_ids: list[int]
     # Per row, None unless the request asked: (chosen logprob, [(token, logprob), ...] top-N).
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # Rows whose logits or probabilities were not finite: their token is void, the request fails.
+    bad_rows: list[int] = []
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -89,10 +118,12 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
 
 
-def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, list]:
+def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Pick one token per row. `reqs` carry `.sampling_params`, `.generator`, ids for penalties.
-    The sampled ids stay on the logits' device (the caller decides when to copy them to the
-    host); logprobs, only computed when a request asks for them, are host values already."""
+    Returns (ids, bad, logprobs). The ids and `bad` (a bool per row: its logits or probabilities
+    were not finite, so its id is void) stay on the logits' device, with no host sync, so the
+    caller decides when to copy them; logprobs, computed only when a request asks, are host
+    values already. No input makes this raise: a bad row is flagged, never sampled from."""
     logits = logits.float()
     want_logprobs = [r.sampling_params.logprobs for r in reqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -102,11 +133,15 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, li
             if r.sampling_params.has_penalties:
                 apply_penalties(logits[i], r.sampling_params, r.origin_input_ids, r.output_ids)
 
+    bad = ~torch.isfinite(logits).all(dim=-1)
     next_ids = torch.argmax(logits, dim=-1)
     random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = _filtered_probs(logits[rows], [reqs[i].sampling_params for i in random_rows])
+        ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        bad[rows] |= ~ok
+        probs = torch.where(ok.unsqueeze(1), probs, torch.ones_like(probs))  # never sampled from
         for j, i in enumerate(random_rows):
             next_ids[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
 
@@ -120,7 +155,7 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, li
                     vals, idx = torch.topk(raw_logprobs[i], r.sampling_params.top_logprobs)
                     top = list(zip(idx.tolist(), vals.tolist()))
                 out[i] = (chosen[i], top)
-    return next_ids, out
+    return next_ids, bad, out
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -130,7 +165,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     logits = logits / temps
     sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).unsqueeze(1)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev).unsqueeze(1)
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)

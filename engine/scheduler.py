@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 
 from engine.config import EngineConfig
-from engine.errors import MemoryInvariantError
+from engine.errors import EngineDeadError, ErrorKind, MemoryInvariantError
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model_runner import PendingSample
@@ -18,6 +19,16 @@ from engine.sampling import SampleResult
 from engine.schedule_batch import ScheduleBatch
 
 IN_BATCH_PREFIX_LEN = 32  # shared head length that defers a request to the next prefill round
+# Batches that fail in a row before the engine gives up (a broken device, not a bad request).
+MAX_CONSECUTIVE_BATCH_FAILURES = 3
+
+log = logging.getLogger("radixray.engine")
+
+
+def _raiser(error: Exception) -> Callable[[], SampleResult]:
+    def wait() -> SampleResult:
+        raise error
+    return wait
 
 
 class Scheduler:
@@ -44,6 +55,12 @@ class Scheduler:
         self.batches_by_mode: Counter[str] = Counter()
         self.num_retracted = 0
         self.num_aborted = 0
+        self.num_failed = 0  # requests ended by an engine-side error (the rest kept serving)
+        self.consecutive_batch_failures = 0
+        # Attention-DP turns this off: a member whose forward failed may have left its peers in
+        # a collective, so the group restarts instead.
+        self.isolate_batch_failures = True
+        self.failed: list[Req] = []  # failed while scheduling; reported by the next execute()
         self.pending_aborts: list[Req] = []  # marked by abort_request, applied at the next step
         self.generated_tokens = 0
         self.cached_tokens = 0
@@ -65,11 +82,11 @@ class Scheduler:
         self.waiting_queue.append(req)
         self._idle_checked = False
 
-    def abort_request(self, rid: str, message: str = "aborted") -> None:
+    def abort_request(self, rid: str, message: str = "aborted", kind: ErrorKind = "aborted") -> None:
         """Mark for abort; handled at the start of the next step, when no forward reads its KV."""
         req = self.reqs.get(rid)
-        if req is not None and not req.finished():
-            req.to_abort = message
+        if req is not None and not req.finished() and req.to_abort is None:
+            req.to_abort = (message, kind)
             self.pending_aborts.append(req)
 
     def has_work(self) -> bool:
@@ -80,7 +97,7 @@ class Scheduler:
         for req in pending:  # only the marked requests: no scan of the request table each step
             if req.finished():
                 continue
-            req.finished_reason = FinishReason("abort", message=req.to_abort)
+            req.finished_reason = FinishReason("abort", message=req.to_abort[0], error_kind=req.to_abort[1])
             self.num_aborted += 1
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
@@ -112,9 +129,10 @@ class Scheduler:
 
     def execute(self, batch: ScheduleBatch | None, touched: list[Req]) -> list[Req]:
         """Second half: run the batch, process its results, and check memory when idle."""
+        touched = touched + self.failed
+        self.failed = []
         if batch is not None:
-            result = self.run_batch(batch)
-            touched = touched + self.process_batch_result(batch, result)
+            touched = touched + self.complete(batch, self.launch_batch(batch))
         for req in touched:
             if req.finished():
                 self.reqs.pop(req.rid, None)
@@ -168,11 +186,15 @@ class Scheduler:
                 self.prompt_tokens += len(req.origin_input_ids)
         self.chunked_req = adder.new_chunked_req
         batch = self._new_batch(adder.can_run)
-        if self.config.enable_mixed_chunk and running and self.running_batch.check_decode_mem():
-            batch.mix_with_running(self.running_batch)
-            self.running_batch = self._new_batch([])
-        else:
-            batch.prepare_for_extend()
+        try:
+            if self.config.enable_mixed_chunk and running and self.running_batch.check_decode_mem():
+                self.running_batch = self._new_batch([])
+                batch.mix_with_running(self._new_batch(running))
+            else:
+                batch.prepare_for_extend()
+        except Exception as e:  # the requests of this batch fail; the engine goes on
+            self.failed += self.fail_reqs(batch.reqs + running, e)
+            return None
         return batch
 
     def _defer_shared_prefix(self, req: Req, admitted_heads: set[tuple[int, ...]]) -> bool:
@@ -199,18 +221,63 @@ class Scheduler:
             self.waiting_queue = retracted + self.waiting_queue
             # Reserve every running request's full remaining output for a while: no thrashing.
             self.new_token_ratio = 1.0
-        batch.prepare_for_decode(from_future=self.future_inputs)
+        try:
+            batch.prepare_for_decode(from_future=self.future_inputs)
+        except Exception as e:
+            self.failed += self.fail_reqs(batch.reqs, e)
+            return None
         self.new_token_ratio = max(self.new_token_ratio - self.config.new_token_ratio_decay,
                                    self.config.min_new_token_ratio)
         return batch
 
-    def run_batch(self, batch: ScheduleBatch) -> SampleResult:
-        return self.launch_batch(batch)()
+    def complete(self, batch: ScheduleBatch, wait: Callable[[], SampleResult]) -> list[Req]:
+        """Wait for a launched batch and process its result. A forward that raises fails
+        exactly the batch's requests (their KV is released, not cached); the engine goes on,
+        unless batches keep failing (a broken device), which raises EngineDeadError."""
+        try:
+            result = wait()
+        except Exception as e:
+            if not self.isolate_batch_failures:
+                raise
+            self.consecutive_batch_failures += 1
+            failed = self.fail_reqs(batch.reqs, e)
+            if self.consecutive_batch_failures >= MAX_CONSECUTIVE_BATCH_FAILURES:
+                raise EngineDeadError(f"{self.consecutive_batch_failures} batches failed in a row; "
+                                      f"last: {type(e).__name__}: {e}") from e
+            return failed
+        self.consecutive_batch_failures = 0
+        return self.process_batch_result(batch, result)
+
+    def fail_reqs(self, reqs: list[Req], error: BaseException | str) -> list[Req]:
+        """End admitted requests (in a batch, running or chunked) with an engine error. Their KV
+        is freed without caching: a failed forward may have left garbage in it."""
+        if isinstance(error, BaseException):
+            log.error("batch of %d request(s) failed", len(reqs), exc_info=error)
+            error = f"{type(error).__name__}: {error}"
+        ended = []
+        for req in reqs:
+            if req.finished():
+                continue
+            req.finished_reason = FinishReason("abort", message=f"engine error: {error}",
+                                               error_kind="engine_error")
+            if req is self.chunked_req:
+                self.chunked_req = None
+            try:
+                self.tree_cache.release_req(req)
+            except Exception:  # keep failing the others; the idle check reports any leak
+                log.exception("releasing the KV of request %s failed", req.rid)
+            self.num_failed += 1
+            ended.append(req)
+        self.running_batch.filter_batch()
+        return ended
 
     def launch_batch(self, batch: ScheduleBatch, executor=None) -> Callable[[], SampleResult]:
         """Build the ForwardBatch here; run forward + sample here or on `executor` (the overlap
         forward thread). Returns a callable that waits for the result."""
-        fb = ForwardBatch.init_new(batch, self.device)
+        try:
+            fb = ForwardBatch.init_new(batch, self.device)
+        except Exception as e:  # reported when the batch is completed, like a forward error
+            return _raiser(e)
         mode = fb.forward_mode.name
         self.batches_by_mode[mode] += 1
         self.last_mode = mode
@@ -222,7 +289,10 @@ class Scheduler:
             return pending
 
         if executor is None:
-            pending = job()
+            try:
+                pending = job()
+            except Exception as e:
+                return _raiser(e)
             return pending.resolve
         future = executor.submit(job)
         return lambda: future.result().resolve()
@@ -232,30 +302,44 @@ class Scheduler:
             return []
         touched, still_running = [], []
         decoding = batch.decoding_reqs
+        bad_rows = set(result.bad_rows)
         for i, req in enumerate(batch.reqs):
             if req.finished():  # overlap: it finished one step earlier; this extra token is void
                 continue
-            if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
-                self.tree_cache.cache_unfinished_req(req)
+            if i in bad_rows:
+                touched += self.fail_reqs([req], "the model produced non-finite logits or "
+                                                 "probabilities for this request")
                 continue
-            req.output_ids.append(result.next_token_ids[i])
-            if req.sampling_params.logprobs:
-                req.output_logprobs.append(result.logprobs[i])
-            self.generated_tokens += 1
-            req.check_finished(self.eos_token_ids, self.max_context_len, self.decode_tail)
-            if req.finished():
-                self.tree_cache.cache_finished_req(req)
-            else:
-                if batch.forward_mode.is_extend() and id(req) not in decoding:
-                    # The prompt's KV joins the tree now, so requests sharing it hit at once.
-                    self.tree_cache.cache_unfinished_req(req)
-                still_running.append(req)
+            try:
+                if self._process_one(req, batch, result, i, decoding):
+                    still_running.append(req)
+            except Exception as e:  # one request's bug fails that request only
+                self.fail_reqs([req], e)
             touched.append(req)
         if batch.forward_mode == ForwardMode.EXTEND:
             self.running_batch.merge_batch(self._new_batch(still_running))
         else:  # DECODE, or MIXED whose batch holds the former running requests too
             self.running_batch = self._new_batch(still_running)
         return touched
+
+    def _process_one(self, req: Req, batch: ScheduleBatch, result: SampleResult, i: int,
+                     decoding: set[int]) -> bool:
+        """Append row i's token to req and cache its KV; returns whether it keeps running."""
+        if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
+            self.tree_cache.cache_unfinished_req(req)
+            return False
+        req.output_ids.append(result.next_token_ids[i])
+        if req.sampling_params.logprobs:
+            req.output_logprobs.append(result.logprobs[i])
+        self.generated_tokens += 1
+        req.check_finished(self.eos_token_ids, self.max_context_len, self.decode_tail)
+        if req.finished():
+            self.tree_cache.cache_finished_req(req)
+            return False
+        if batch.forward_mode.is_extend() and id(req) not in decoding:
+            # The prompt's KV joins the tree now, so requests sharing it hit at once.
+            self.tree_cache.cache_unfinished_req(req)
+        return True
 
     # ---- integrity ---------------------------------------------------------------------------
     def check_memory(self) -> None:
