@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -16,6 +17,11 @@ from actors.protocol import EngineInfo, decode_request, encode, encode_batch
 from engine import Engine, EngineConfig, InvalidRequestError, StreamDelta
 
 MAX_PENDING_EVICTIONS = 4096
+
+
+def _invalid(rid: str, prompt_tokens: int, error: InvalidRequestError) -> StreamDelta:
+    return StreamDelta(rid=rid, text="", token_ids=[], finish_reason="abort", prompt_tokens=prompt_tokens,
+                       error=f"invalid request: {error}", error_kind="invalid_request")
 
 
 class EngineActor:
@@ -44,6 +50,7 @@ class EngineActor:
             # leave_epochs_before() reaches a member even while it waits for its peers.
             threading.Thread(target=self._start_dp, kwargs=dp, name="radixray-dp-join", daemon=True).start()
         else:
+            self.engine.on_fatal = self._die  # a dead loop takes the actor down: Ray restarts it
             self.engine.start_loop()
 
     def _start_dp(self, rank: int, size: int, coordinator, timeout_s: float = 30.0) -> None:
@@ -78,11 +85,11 @@ class EngineActor:
         if self._dp_epoch is not None and self._dp_epoch < epoch:
             self._die(RuntimeError(f"DP epoch {self._dp_epoch} was replaced by {epoch}"))
 
-    @staticmethod
-    def _die(error: BaseException) -> None:
-        # A broken collective cannot be resumed: exit so Ray restarts us, and our rejoin
-        # makes the coordinator restart the whole group.
-        print(f"radixray: DP member failed ({type(error).__name__}: {error}); restarting", flush=True)
+    def _die(self, error: BaseException) -> None:
+        # An engine loop (or a broken collective) cannot be resumed: exit so Ray restarts us;
+        # under attention-DP our rejoin makes the coordinator restart the whole group.
+        print(f"radixray: engine {self.engine_id} failed ({type(error).__name__}: {error}); "
+              "exiting so that Ray restarts it", file=sys.stderr, flush=True)
         os._exit(1)
 
     def signal_wave(self, wave: int) -> None:
@@ -107,8 +114,7 @@ class EngineActor:
                                lambda d: loop.call_soon_threadsafe(queue.put_nowait, d), rid=req.rid)
         except InvalidRequestError as e:
             finished = True
-            yield encode(StreamDelta(rid=req.rid, text="", token_ids=[], finish_reason="abort",
-                                     prompt_tokens=len(req.input_ids), error=f"invalid request: {e}"))
+            yield encode(_invalid(req.rid, len(req.input_ids), e))
             return
         try:
             while not finished:
@@ -135,8 +141,7 @@ class EngineActor:
         try:
             self.engine.submit(req.input_ids, req.sampling_params, self._to_outbox, rid=req.rid)
         except InvalidRequestError as e:
-            self._to_outbox(StreamDelta(rid=req.rid, text="", token_ids=[], finish_reason="abort",
-                                        prompt_tokens=len(req.input_ids), error=f"invalid request: {e}"))
+            self._to_outbox(_invalid(req.rid, len(req.input_ids), e))
         return self.incarnation
 
     def incarnation_id(self) -> str:

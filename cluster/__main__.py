@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine import EngineConfig
@@ -46,6 +47,11 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dp-attention", action="store_true")
     ap.add_argument("--dp-group-size", type=int, default=None)
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or a new local cluster)")
+    ap.add_argument("--request-timeout-s", type=float, default=None, help="end a request after this long")
+    ap.add_argument("--http-header-timeout-s", type=float, default=None,
+                    help="cut a client whose request line and headers take longer (default 5; new local Ray only)")
+    ap.add_argument("--http-body-timeout-s", type=float, default=None,
+                    help="cut a client whose request body takes longer (default 30; new local Ray only)")
     add_engine_flags(ap)
     return ap
 
@@ -59,14 +65,21 @@ def serve_main(argv: list[str]) -> int:
     from ray import serve
 
     from cluster.cluster import ensure_ray
+    from deploy import http_guard
     from deploy.app import build_app
 
     app_args = {"model_path": args.model, "num_engines": args.engines, "routing": args.routing,
                 "device": args.device, "cpus_per_engine": args.cpus_per_engine, "api_key": args.api_key,
                 "served_model_name": args.served_model_name, "dp_attention": args.dp_attention,
                 "dp_group_size": args.dp_group_size, "engine": engine_overrides(args)}
+    if args.request_timeout_s is not None:
+        app_args["request_timeout_s"] = args.request_timeout_s
     app = build_app(app_args)
-    ensure_ray(args.address)
+    # The proxies inherit these from the Ray processes this starts (a cluster joined by
+    # --address needs them in its own environment).
+    os.environ.update(http_guard.environment(args.http_header_timeout_s, args.http_body_timeout_s))
+    # Request failures and engine tracebacks are printed here, not only in Ray's log files.
+    ensure_ray(args.address, log_to_driver=True)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="radixray", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"

@@ -25,30 +25,33 @@ from engine import GenerateOutput, SamplingParams, StreamDelta
 from engine.builtin_model import builtin_model_path
 from engine.config import ModelConfig
 from engine.engine import collect_output
+from engine.errors import ErrorKind
 from engine.inputs import InputProcessor
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("radixray.cluster")
 ACTOR_NAMESPACE = "radixray"
 _ENGINE_DIED = object()  # queued to a request whose engine's output stream broke
+_TIMED_OUT = object()  # queued to a request when its deadline passes
 
 
-def ensure_ray(address: str | None = None) -> bool:
-    """Connect to Ray (address, RAY_ADDRESS) or start a local one. Returns whether we started it."""
+def ensure_ray(address: str | None = None, log_to_driver: bool = False) -> bool:
+    """Connect to Ray (address, RAY_ADDRESS) or start a local one. Returns whether we started it.
+    log_to_driver: the actors' stderr (errors, engine tracebacks) is printed by this process."""
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=log_to_driver)
         return False
     # "local": always a new private cluster, never one found through /tmp/ray by accident.
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=log_to_driver)
     return True
 
 
-def _error(rid: str, message: str, prompt_tokens: int = 0) -> StreamDelta:
+def _error(rid: str, message: str, kind: ErrorKind, prompt_tokens: int = 0) -> StreamDelta:
     return StreamDelta(rid=rid, text="", token_ids=[], finish_reason="abort", prompt_tokens=prompt_tokens,
-                       error=message)
+                       error=message, error_kind=kind)
 
 
 class Cluster:
@@ -89,7 +92,6 @@ class Cluster:
         self._where: dict[str, int] = {}  # request id -> engine, while in flight
         self._incarnation: dict[str, str] = {}  # request id -> the engine instance that took it
         self._subs: dict[str, tuple[int, asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._consumers_started = False
         self._consumers: list = []
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
@@ -149,55 +151,70 @@ class Cluster:
     async def stream_ids(self, input_ids: list[int], params: SamplingParams,
                          rid: str | None = None) -> AsyncIterator[StreamDelta]:
         """Route one validated request and stream its deltas. Re-routes if its engine dies
-        before a token was streamed; ends with an explicit error if it dies after."""
+        before a token was streamed; ends with an explicit error if it dies after.
+
+        Cancel-safe: the only awaits are a plain queue.get() and the submit call, so a
+        cancellation always reaches the `finally` that aborts the request on its engine (the
+        deadline is a sentinel put on the queue by a timer, not asyncio.wait_for, which can
+        swallow a cancellation that races with the item it waits for)."""
         rid = rid or uuid.uuid4().hex
         cost = len(input_ids) + params.max_new_tokens
-        payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params))
-        deadline = time.monotonic() + self.config.request_timeout_s
-        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params))
+        except (OverflowError, TypeError, ValueError) as e:
+            yield _error(rid, f"invalid request: {e}", "invalid_request", len(input_ids))
+            return
+        loop = asyncio.get_running_loop()
         tried: set[int] = set()
-        while True:
-            with self._lock:
-                idx = self.router.pick(input_ids, cost, exclude=frozenset(tried))
-            if idx is None:
-                yield _error(rid, "no engine available", len(input_ids))
-                return
-            streamed = finished = dead = False
-            self._subscribe(rid, idx, queue)
-            try:
-                incarnation = await self.actors[idx].submit.remote(payload)
+        queue: asyncio.Queue = asyncio.Queue()
+        timer = loop.call_later(self.config.request_timeout_s, lambda: queue.put_nowait(_TIMED_OUT))
+        try:
+            while True:
                 with self._lock:
-                    self._incarnation[rid] = incarnation
-                while True:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise TimeoutError
-                    delta = await asyncio.wait_for(queue.get(), timeout=remaining)
-                    if delta is _ENGINE_DIED:
-                        raise ray.exceptions.RayActorError()
-                    streamed = streamed or bool(delta.token_ids)
-                    finished = delta.finish_reason is not None
-                    yield delta
-                    if finished:
-                        return
-            except TimeoutError:
-                yield _error(rid, f"request timed out after {self.config.request_timeout_s}s", len(input_ids))
-                return
-            except ray.exceptions.RayActorError as e:
-                dead = True
-                with self._lock:
-                    self.router.set_healthy(idx, False)
-                if streamed:
-                    yield _error(rid, f"engine {idx} died mid-stream: {type(e).__name__}", len(input_ids))
+                    idx = self.router.pick(input_ids, cost, exclude=frozenset(tried))
+                if idx is None:
+                    yield _error(rid, "no engine available", "overloaded", len(input_ids))
                     return
-                tried.add(idx)  # nothing streamed yet: try another engine
-                log.warning("engine %d died before streaming request %s; re-routing", idx, rid)
-            finally:
-                self._unsubscribe(rid)
-                if not finished and not dead:
-                    self.actors[idx].abort.remote(rid)  # the consumer went away: free its KV
-                with self._lock:
-                    self.router.done(idx, cost)
+                # Each attempt reads its own subscription: a late message about an earlier
+                # engine is dropped by _deliver, never read as this attempt's.
+                streamed = finished = dead = False
+                self._subscribe(rid, idx, queue)
+                try:
+                    incarnation = await self.actors[idx].submit.remote(payload)
+                    with self._lock:
+                        self._incarnation[rid] = incarnation
+                    while True:
+                        delta = await queue.get()
+                        if delta is _TIMED_OUT:
+                            yield _error(rid, f"request timed out after {self.config.request_timeout_s}s",
+                                         "timeout", len(input_ids))
+                            return
+                        if delta is _ENGINE_DIED:
+                            raise ray.exceptions.RayActorError()
+                        streamed = streamed or bool(delta.token_ids)
+                        finished = delta.finish_reason is not None
+                        yield delta
+                        if finished:
+                            return
+                except ray.exceptions.RayError as e:  # the actor died, or its engine loop is dead
+                    dead = True
+                    with self._lock:
+                        self.router.set_healthy(idx, False)
+                    if streamed:
+                        yield _error(rid, f"engine {idx} died mid-stream: {type(e).__name__}", "engine_error",
+                                     len(input_ids))
+                        return
+                    tried.add(idx)  # nothing streamed yet: try another engine
+                    log.warning("engine %d died before streaming request %s; re-routing", idx, rid)
+                finally:
+                    self._unsubscribe(rid)
+                    if not finished and not dead:
+                        self.actors[idx].abort.remote(rid)  # cancelled, timed out: free its KV
+                    with self._lock:
+                        self.router.done(idx, cost)
+                queue = asyncio.Queue()
+        finally:
+            timer.cancel()
 
     # ---- the per-engine output channels ---------------------------------------------------
     def _subscribe(self, rid: str, idx: int, queue: asyncio.Queue) -> None:
@@ -205,10 +222,9 @@ class Cluster:
         with self._lock:
             self._subs[rid] = (idx, loop, queue)
             self._where[rid] = idx
-        if not self._consumers_started:
-            self._consumers_started = True
-            self._consumers = [asyncio.run_coroutine_threadsafe(self._consume(i), self._loop)
-                               for i in range(len(self.actors))]
+            if not self._consumers:  # under the lock: started exactly once
+                self._consumers = [asyncio.run_coroutine_threadsafe(self._consume(i), self._loop)
+                                   for i in range(len(self.actors))]
 
     def _unsubscribe(self, rid: str) -> None:
         with self._lock:
@@ -216,9 +232,10 @@ class Cluster:
             self._where.pop(rid, None)
             self._incarnation.pop(rid, None)
 
-    def _deliver(self, rid: str, item: Any) -> None:
+    def _deliver(self, rid: str, item: Any, engine: int) -> None:
+        """Hand engine `engine`'s item to the request, if the request is still on that engine."""
         sub = self._subs.get(rid)
-        if sub is not None:
+        if sub is not None and sub[0] == engine:
             _, loop, queue = sub
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
@@ -229,7 +246,7 @@ class Cluster:
             try:
                 async for ref in self.actors[i].outputs.remote():
                     for delta in decode_delta_batch(await ref):
-                        self._deliver(delta.rid, delta)
+                        self._deliver(delta.rid, delta, i)
             except Exception as e:  # RayActorError and friends: the engine is gone
                 if self._closed.is_set():
                     return
@@ -244,7 +261,7 @@ class Cluster:
                 doomed = [rid for rid, (idx, _, _) in self._subs.items()
                           if idx == i and (live is None or self._incarnation.get(rid, live) != live)]
             for rid in doomed:
-                self._deliver(rid, _ENGINE_DIED)
+                self._deliver(rid, _ENGINE_DIED, i)
             await asyncio.sleep(0.2)
 
     def abort(self, rid: str) -> None:

@@ -6,6 +6,7 @@
 
 import asyncio
 import hmac
+import logging
 import os
 import time
 import uuid
@@ -14,13 +15,18 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import Cluster, ClusterConfig
 from deploy.metrics import ServerMetrics
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from engine import EngineConfig, InvalidRequestError, SamplingParams, StreamDelta
+from engine.errors import invalid_request_from
+
+log = logging.getLogger("radixray.http")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
@@ -69,14 +75,45 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                         status_code=status)
 
 
-def _param_of(err: msgspec.ValidationError) -> str | None:
-    text = str(err)  # e.g. "Expected `float`, got `str` - at `$.temperature`"
-    if "at `$." in text:
-        return text.split("at `$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
-    return None
+# How an engine-side error kind reaches the client (StreamDelta.error_kind).
+ERROR_STATUS = {"invalid_request": (400, "invalid_request_error"), "overloaded": (503, "server_error"),
+                "timeout": (504, "server_error"), "aborted": (503, "server_error"),
+                "engine_error": (500, "server_error")}
+
+
+def delta_error_response(delta: StreamDelta) -> JSONResponse:
+    status, type_ = ERROR_STATUS.get(delta.error_kind or "engine_error", (500, "server_error"))
+    return error_response(status, delta.error or "request failed", type_, code=delta.error_kind)
+
+
+def bearer_ok(request: Request, api_key: str | None) -> bool:
+    """The one API-key check of every endpoint (constant-time compare of the bearer token)."""
+    if api_key is None:
+        return True
+    auth = request.headers.get("authorization", "")
+    token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    return hmac.compare_digest(token.encode(), api_key.encode())
 
 
 app = FastAPI(title="radixray", description="OpenAI-compatible API over radixray engine actors")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404), wrong methods (405): the OpenAI error shape, not FastAPI's."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = {404: f"no route {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                         str(exc.detail))
+    response = error_response(exc.status_code, message, code=code)
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(400, f"invalid request: {exc}")
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -98,11 +135,8 @@ class OpenAIServer:
     # ---- plumbing --------------------------------------------------------------------------
     async def _read(self, request: Request, schema: type) -> Any:
         """Size, auth and body checks; returns the parsed body or an error response."""
-        if self.args.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), self.args.api_key.encode()):
-                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        if not bearer_ok(request, self.args.api_key):
+            return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.args.max_body_bytes:
             return error_response(413, f"request body over {self.args.max_body_bytes} bytes", code="body_too_large")
@@ -111,10 +145,16 @@ class OpenAIServer:
             return error_response(413, f"request body over {self.args.max_body_bytes} bytes", code="body_too_large")
         try:
             parsed = msgspec.json.decode(body, type=schema)
+            parsed.validate()
         except msgspec.ValidationError as e:
-            return error_response(400, f"invalid request: {e}", param=_param_of(e))
+            err = invalid_request_from(e, "invalid request: ")
+            return error_response(400, err.message, param=err.param)
+        except InvalidRequestError as e:
+            return error_response(400, e.message, param=e.param)
         except msgspec.DecodeError as e:
             return error_response(400, f"malformed JSON body: {e}")
+        except RecursionError:
+            return error_response(400, "malformed JSON body: nested too deeply")
         if parsed.model is not None and parsed.model != self.model_name:
             return error_response(404, f"model {parsed.model!r} does not exist (serving {self.model_name!r})",
                                   code="model_not_found")
@@ -130,13 +170,20 @@ class OpenAIServer:
         """Stream several prompts at once: (choice index, delta) as they come."""
         queue: asyncio.Queue = asyncio.Queue()
         rids = [f"{rid}-{i}" for i in range(len(inputs))]
+        ended = [False] * len(inputs)
 
         async def pump(i: int, ids: list[int]) -> None:
+            """Every choice ends with a final delta, whatever stream_ids does."""
             try:
                 async for d in self.cluster.stream_ids(ids, params, rids[i]):
-                    await queue.put((i, d))
+                    queue.put_nowait((i, d))
+            except Exception as e:  # a bug: an explicit error, never a choice with no end
+                log.exception("request %s failed", rids[i])
+                queue.put_nowait((i, StreamDelta(rid=rids[i], text="", token_ids=[], finish_reason="abort",
+                                                 prompt_tokens=len(ids), error=f"{type(e).__name__}: {e}",
+                                                 error_kind="engine_error")))
             finally:
-                await queue.put((i, None))
+                queue.put_nowait((i, None))
 
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(inputs)]
         try:
@@ -145,15 +192,26 @@ class OpenAIServer:
                 i, d = await queue.get()
                 if d is None:
                     live -= 1
-                else:
-                    yield i, d
-        finally:  # also on a client disconnect (Serve cancels us): stream_ids aborts in-flight work
+                    continue
+                if d.finish_reason is not None:
+                    ended[i] = True
+                    if d.error:
+                        log.warning("request %s ended with an error (%s): %s", rids[i], d.error_kind, d.error)
+                yield i, d
+        finally:
+            # A client disconnect, a client timeout or a shutdown cancels us here. Cancelling a
+            # pump raises CancelledError inside stream_ids, whose finally aborts the request on
+            # its engine (stream_ids has no await that could swallow the cancellation).
             for t in tasks:
                 t.cancel()
+            for i, done in enumerate(ended):
+                if not done:
+                    self.metrics.requests["aborted"] += 1
+                    log.info("request %s aborted: the client went away", rids[i])
 
     def _record(self, deltas: list[StreamDelta]) -> None:
         last = deltas[-1]
-        status = "ok" if not last.error else ("aborted" if last.finish_reason == "abort" else "error")
+        status = "ok" if not last.error else ("aborted" if last.error_kind == "aborted" else "error")
         self.metrics.requests[status] += 1
         self.metrics.prompt_tokens += last.prompt_tokens
         self.metrics.generation_tokens += sum(len(d.token_ids) for d in deltas)
@@ -177,10 +235,8 @@ class OpenAIServer:
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        if self.args.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.args.api_key}".encode()):
-                return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        if not bearer_ok(request, self.args.api_key):
+            return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "radixray",
              "max_model_len": self.cluster.inputs.max_len}]})
@@ -212,6 +268,9 @@ class OpenAIServer:
         except InvalidRequestError as e:
             self.metrics.requests["invalid"] += 1
             return error_response(400, str(e), param=e.param)
+        except RecursionError:  # a chat template over deeply nested content
+            self.metrics.requests["invalid"] += 1
+            return error_response(400, "request nested too deeply")
         if (busy := self._no_engine()) is not None:
             return busy
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -250,7 +309,7 @@ class OpenAIServer:
             self._record(c)
         failed = next((f for f in finals if f.error), None)
         if failed is not None:
-            return error_response(503, f"generation failed: {failed.error}", "server_error", code="engine_error")
+            return delta_error_response(failed)
         choices = []
         for i, deltas in enumerate(per_choice):
             text = "".join(d.text for d in deltas)
@@ -291,10 +350,12 @@ class OpenAIServer:
                 else:
                     self.metrics.ttft.observe(now - t0)
                 last_token_at[i] = now
-            if d.error:
+            if d.error:  # after the 200: an error event, then the choice's finish_reason
+                _, type_ = ERROR_STATUS.get(d.error_kind or "engine_error", (500, "server_error"))
                 yield b"data: " + msgspec.json.encode({"error": {
-                    "message": f"generation failed: {d.error}", "type": "server_error", "param": None,
-                    "code": "engine_error"}}) + b"\n\n"
+                    "message": d.error, "type": type_, "param": None, "code": d.error_kind}}) + b"\n\n"
+                finish = {"index": i, "logprobs": None, "finish_reason": d.finish_reason}
+                yield chunk([{**finish, "delta": {}} if chat else {**finish, "text": ""}])
                 continue
             if not d.text and d.finish_reason is None:
                 # Tokens with no visible text send nothing; an SSE comment now and then keeps the

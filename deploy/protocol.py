@@ -48,6 +48,9 @@ class _Common(msgspec.Struct, kw_only=True):
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
             top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens)
 
+    def validate(self) -> None:
+        """Checks msgspec's types cannot express; raises InvalidRequestError."""
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -85,18 +88,38 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+# "developer" is OpenAI's newer name for "system"; templates know only the latter.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    def validate(self, i: int) -> None:
+        if self.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {self.role!r}",
+                                      "messages")
+        content = self.content
+        if content is None:
+            if self.role != "assistant":
+                raise InvalidRequestError(f"messages[{i}].content is required for role {self.role!r}", "messages")
+        elif isinstance(content, list):
+            if not content:
+                raise InvalidRequestError(f"messages[{i}].content must not be an empty list", "messages")
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise InvalidRequestError(f"messages[{i}].content[{j}].type {part.type!r} is not supported "
+                                              "(only 'text')", "messages")
+                if part.text is None:
+                    raise InvalidRequestError(f"messages[{i}].content[{j}] has no 'text'", "messages")
+
     def as_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            if any(part.type != "text" for part in content):
-                raise InvalidRequestError("only text content parts are supported", "messages")
             content = "".join(part.text or "" for part in content)
-        return {"role": self.role, "content": content or ""}
+        return {"role": CHAT_ROLES[self.role], "content": content or ""}
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -104,6 +127,12 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+    def validate(self) -> None:
+        if not self.messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        for i, m in enumerate(self.messages):
+            m.validate(i)
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from engine.builtin_model import (
@@ -109,6 +108,12 @@ def _quiet_threads():
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for the session (2 CPUs here; engines ask for 1 each)."""
+    import ray  # here, not at the top: the GPU machine runs the GPU tests without Ray
+
+    from deploy import http_guard
+
+    # Serve's proxy (started by tests on this Ray) cuts dribbling clients within seconds.
+    os.environ.update(http_guard.environment(header_timeout_s=2.0, body_timeout_s=3.0))
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=4)
     yield
