@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,19 @@ def ray_local():
         ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=4)
     yield
     ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_base(ray_local) -> str:
+    """Ray Serve's HTTP proxy, started once per session (its options cannot change later)."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"

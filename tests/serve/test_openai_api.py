@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import time
 
@@ -22,23 +21,15 @@ pytestmark = pytest.mark.serve
 KEY = "sk-test-radixray"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(ray_local, model_dirs):
+def server(serve_base, model_dirs):
     from ray import serve
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     # A small KV pool (and few rows) so the load test queues and retracts.
     serve.run(build_app({"model_path": model_dirs["stories"], "num_engines": 2, "api_key": KEY,
                          "max_body_bytes": 65536, "engine": {"max_total_tokens": 700, "max_running_requests": 48}}),
               name="main", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
+    base = serve_base
     engines = httpx.get(f"{base}/health").json()["engine_actors"]
     yield base, [ray.get_actor(n, namespace=ACTOR_NAMESPACE) for n in engines]
     serve.delete("main")
