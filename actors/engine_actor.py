@@ -15,6 +15,7 @@ import ray
 
 from actors.protocol import EngineInfo, decode_request, encode, encode_batch
 from engine import Engine, EngineConfig, InvalidRequestError, StreamDelta
+from engine.logs import log_to_stderr
 
 MAX_PENDING_EVICTIONS = 4096
 
@@ -28,6 +29,7 @@ class EngineActor:
     """One engine per GPU (or per group of CPUs). Created by the cluster with ray.remote options."""
 
     def __init__(self, engine_config: dict, engine_id: int = 0, dp: dict | None = None) -> None:
+        log_to_stderr()
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one it replaced
         self.dp_loop = None

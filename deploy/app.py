@@ -25,6 +25,7 @@ from deploy.metrics import ServerMetrics
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from engine import EngineConfig, InvalidRequestError, SamplingParams, StreamDelta
 from engine.errors import invalid_request_from
+from engine.logs import log_to_stderr
 
 log = logging.getLogger("radixray.http")
 
@@ -120,6 +121,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 @serve.ingress(app)
 class OpenAIServer:
     def __init__(self, args: dict[str, Any] | None = None) -> None:
+        log_to_stderr()
         self.args = AppArgs.from_dict(args)
         self.cluster = Cluster(self.args.cluster_config())
         self.model_name = self.args.served_model_name or (
@@ -256,26 +258,34 @@ class OpenAIServer:
 
     async def _handle(self, request: Request, schema: type, chat: bool) -> Response:
         """Everything is validated here, before anything is queued on an engine."""
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        response = await self._validated_response(request, schema, chat, rid)
+        response.headers["x-radixray-request-id"] = rid  # (Serve sets x-request-id)
+        return response
+
+    async def _validated_response(self, request: Request, schema: type, chat: bool, rid: str) -> Response:
         req = await self._read(request, schema)
         if isinstance(req, Response):
-            self.metrics.requests["invalid"] += 1
-            return req
+            return self._rejected(rid, req)
         try:
             params = req.sampling(self.args.default_max_tokens)
             inputs = [self.cluster.inputs.tokenize(**p) for p in req.prompts()]
             for ids in inputs:
                 self.cluster.inputs.validate_request(len(ids), params)
         except InvalidRequestError as e:
-            self.metrics.requests["invalid"] += 1
-            return error_response(400, str(e), param=e.param)
+            return self._rejected(rid, error_response(400, str(e), param=e.param))
         except RecursionError:  # a chat template over deeply nested content
-            self.metrics.requests["invalid"] += 1
-            return error_response(400, "request nested too deeply")
+            return self._rejected(rid, error_response(400, "request nested too deeply"))
         if (busy := self._no_engine()) is not None:
-            return busy
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            return self._rejected(rid, busy)
         obj = "chat.completion" if chat else "text_completion"
         return await self._respond(request, req, rid, obj, inputs, params, chat=chat)
+
+    def _rejected(self, rid: str, response: JSONResponse) -> JSONResponse:
+        self.metrics.requests["invalid" if response.status_code < 500 else "error"] += 1
+        log.info("request %s rejected (%d): %s", rid, response.status_code,
+                 msgspec.json.decode(response.body)["error"]["message"][:200])
+        return response
 
     # ---- responses ---------------------------------------------------------------------------
     def _logprobs(self, deltas: list[StreamDelta], chat: bool) -> dict | None:

@@ -1,0 +1,84 @@
+"""The README's main command, run as a user would: `python3 -m cluster serve --engines 2` on the
+built-in model (on a free port), its printed curl line, request failures on its console, and a
+clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT, free_port
+
+pytestmark = pytest.mark.serve
+
+
+class Console:
+    """A process whose merged stdout/stderr is collected line by line on a thread."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if text in line:
+                    return line
+            if self.proc.poll() is not None and not any(text in line for line in self.lines):
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"{text!r} not on the console; it shows:\n" + "\n".join(self.lines[-40:]))
+
+
+@pytest.fixture(scope="module")
+def served():
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    console = Console([sys.executable, "-m", "cluster", "serve", "--engines", "2", "--port", str(port)], env)
+    try:
+        console.wait_for("radixray is serving on", timeout_s=300)
+        yield console, f"http://127.0.0.1:{port}"
+    finally:
+        if console.proc.poll() is None:
+            os.killpg(console.proc.pid, signal.SIGKILL)
+
+
+def test_the_printed_curl_line_works(served):
+    console, base = served
+    curl = next(line for line in console.lines if line.strip().startswith("curl "))
+    out = subprocess.run(shlex.split(curl) + ["-s", "-w", "\n%{http_code}"], capture_output=True, text=True,
+                         timeout=120)
+    body, _, code = out.stdout.rpartition("\n")
+    assert code == "200", out.stdout
+    assert '"finish_reason"' in body
+
+
+def test_request_failures_reach_the_console(served):
+    console, base = served
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "top_k": 10**30})
+    assert r.status_code == 400
+    rid = r.headers["x-radixray-request-id"]
+    line = console.wait_for(rid, timeout_s=30)
+    assert "rejected (400)" in line and "top_k" in line
+
+
+def test_sigterm_stops_cleanly(served):
+    console, _ = served
+    console.proc.send_signal(signal.SIGTERM)
+    assert console.proc.wait(timeout=120) == 0
+    console.wait_for("radixray: shutting down", timeout_s=5)
