@@ -227,39 +227,59 @@ def test_abort_storm_of_client_timeouts(app):
     assert_healthy_and_clean(base, engines)
 
 
-def test_streams_that_disconnect_under_load(app):
-    """20 streams that leave after 3 events while 10 others keep going: the 20 are aborted."""
+@pytest.fixture(scope="module")
+def slow_app(app, serve_base):
+    """One engine on the bench's 50M-parameter model: a 1000-token request takes many seconds, so
+    a stream that leaves early cannot have finished on its own (the tiny model could)."""
+    from ray import serve
+
+    from engine.bench import bench_model_path
+
+    serve.run(build_app({"model_path": bench_model_path(), "num_engines": 1, "torch_threads_per_engine": 1}),
+              name="hostile-slow", route_prefix="/hostile-slow")
+    base = serve_base + "/hostile-slow"
+    names = httpx.get(f"{base}/health").json()["engine_actors"]
+    yield base, [ray.get_actor(n, namespace=ACTOR_NAMESPACE) for n in names]
+    serve.delete("hostile-slow")
+
+
+def test_streams_that_disconnect_under_load(slow_app):
+    """12 streams that leave after two SSE lines (text or keep-alive) while 4 others keep going:
+    each of the 12 is aborted on the engine, and the engine is idle within seconds."""
     import aiohttp
 
-    base, engines = app
+    base, engines = slow_app
     before = engine_stats(engines)
 
-    async def stream(session: aiohttp.ClientSession, i: int, leave_after: int | None) -> str | None:
-        body = {"prompt": f"tale {i}", "max_tokens": LONG if leave_after else 64, "temperature": 0,
+    async def stream(session: aiohttp.ClientSession, i: int, leave: bool) -> str | None:
+        body = {"prompt": f"tale {i}", "max_tokens": LONG if leave else 8, "temperature": 0,
                 "ignore_eos": True, "stream": True}
-        events, finish = 0, None
+        lines, finish = 0, None
         async with session.post(f"{base}/v1/completions", json=body) as r:
             assert r.status == 200
             async for raw in r.content:
                 line = raw.decode().strip()
-                if not line.startswith("data: {"):
+                if not line:
                     continue
-                events += 1
-                finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
-                if leave_after and events >= leave_after:
+                lines += 1
+                if line.startswith("data: {"):
+                    finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+                if leave and lines >= 2:
+                    assert finish is None, "a long request finished before its client left"
                     r.close()  # the client goes away mid-stream
                     return None
         return finish
 
     async def run() -> list[str | None]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-            return await asyncio.gather(*(stream(session, i, 3 if i < 20 else None) for i in range(30)))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            return await asyncio.gather(*(stream(session, i, i < 12) for i in range(16)))
 
     finishes = asyncio.run(run())
-    assert finishes[20:] == ["length"] * 10
+    assert finishes == [None] * 12 + ["length"] * 4
     after = wait_idle(engines, within_s=10)
     aborted = sum(a["num_aborted"] - b["num_aborted"] for a, b in zip(after, before))
-    assert aborted == 20
+    generated = sum(a["generated_tokens"] - b["generated_tokens"] for a, b in zip(after, before))
+    assert aborted == 12 and generated < 12 * LONG // 2
     assert_healthy_and_clean(base, engines)
 
 
