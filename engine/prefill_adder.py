@@ -19,9 +19,14 @@ class PrefillAdder:
     requests' future tokens), prefill tokens per batch, and the chunk size."""
 
     def __init__(self, tree_cache, allocator: TokenToKVPoolAllocator, running: list[Req],
-                 new_token_ratio: float, max_prefill_tokens: int, chunk_size: int) -> None:
+                 new_token_ratio: float, max_prefill_tokens: int, chunk_size: int,
+                 mixed_with_decode: bool = False) -> None:
         self.tree_cache = tree_cache
         reserve = sum((r.sampling_params.max_new_tokens - len(r.output_ids)) * new_token_ratio for r in running)
+        if mixed_with_decode:
+            # A MIXED batch adds a one-token extend per running request in this very batch: those
+            # slots are needed now, whatever the ratio says (it can round below one slot each).
+            reserve = max(reserve, float(len(running)))
         self.rem_total_tokens = allocator.available_size() + tree_cache.evictable_size() - reserve
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunk_size

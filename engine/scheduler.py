@@ -158,7 +158,8 @@ class Scheduler:
                 req.init_next_round_input(self.tree_cache)
             self.waiting_queue.sort(key=lambda r: -len(r.prefix_indices))
         adder = PrefillAdder(self.tree_cache, self.allocator, running, self.new_token_ratio,
-                             self.max_prefill_tokens, self.chunk_size)
+                             self.max_prefill_tokens, self.chunk_size,
+                             mixed_with_decode=self.config.enable_mixed_chunk)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
         admitted_heads: set[tuple[int, ...]] = set()
