@@ -181,8 +181,9 @@ class EngineActor:
     def heartbeat(self) -> list[list[int]]:
         """Health check that also hands over the radix paths evicted since the last call."""
         self.check_health()
-        out = list(self._evicted)
-        self._evicted.clear()
+        out = []
+        while self._evicted:  # popleft, not copy-then-clear: the engine thread appends meanwhile
+            out.append(self._evicted.popleft())
         return out
 
     async def check_memory(self, timeout_s: float = 60.0) -> dict:

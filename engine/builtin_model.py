@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from kernels.cache import cache_dir
+
 BUILTIN_VERSION = "v1"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -22,12 +24,6 @@ CHAT_TEMPLATE = (
 )
 BUILTIN_ARCH = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
-
-
-def cache_dir() -> str:
-    root = os.environ.get("RADIXRAY_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "radixray")
-    return root
 
 
 def byte_level_tokenizer() -> Tokenizer:

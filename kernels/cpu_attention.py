@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import threading
 import time
 
 import torch
+
+from kernels.cache import cache_dir
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -133,10 +136,29 @@ def load():
         return _state["module"]
 
 
-def _build():
-    from engine.builtin_model import cache_dir
+def cpu_signature() -> str:
+    """The machine and its instruction-set flags: -march=native code built on one CPU may not run
+    on another (SIGILL), so the build is keyed by this (a node of another kind builds its own)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("flags", "Features"):  # x86, ARM
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
 
-    digest = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + torch.__version__).encode()).hexdigest()[:12]
+
+def build_digest() -> str:
+    key = "\n".join([_SOURCE, " ".join(_FLAGS), torch.__version__, cpu_signature()])
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _build():
+    digest = build_digest()
     build_dir = os.path.join(cache_dir(), "torch_extensions", f"cpu_attn_{digest}")
     os.makedirs(build_dir, exist_ok=True)
     # torch's build lock is a plain file: a process killed mid-build leaves it behind and every

@@ -40,3 +40,11 @@ def test_decode_attention_matches_reference(bs, kv_heads, group, head_dim):
     got = cpu_attention.decode_attention(q, k_buf, v_buf, req_to_token, rows, seq_lens, scale)
     want = reference(q, k_buf, v_buf, req_to_token, rows, seq_lens, scale)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_build_is_keyed_by_the_cpu(monkeypatch):
+    """-march=native code from one CPU can SIGILL on another: another CPU means another build."""
+    here = cpu_attention.build_digest()
+    assert cpu_attention.cpu_signature().split()[0]  # the machine at least
+    monkeypatch.setattr(cpu_attention, "cpu_signature", lambda: "x86_64 other-cpu sse2")
+    assert cpu_attention.build_digest() != here
