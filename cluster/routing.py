@@ -8,33 +8,42 @@ imbalanced beyond a threshold, then to the least loaded engine."""
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_load", "cache_aware")
 
 
 class _Node:
-    __slots__ = ("children", "parent", "key", "last_access")
+    __slots__ = ("children", "parent", "key")
 
     def __init__(self, key: tuple[int, ...], parent: _Node | None) -> None:
         self.children: dict[int, _Node] = {}
         self.parent = parent
         self.key = key
-        self.last_access = 0
 
 
 class PrefixTree:
-    """Token-level radix tree without values: what one engine (probably) has cached."""
+    """Token-level radix tree without values: what one engine (probably) has cached.
+
+    Recency is one ordered dict of nodes, least recent first. A lookup or insert moves the nodes
+    of its path to the end, deepest first, so every node stays after all of its descendants and
+    the first node is always a leaf: trimming pops from the front. Each operation costs the
+    length of its path plus what it trims, whatever the size of the tree."""
 
     def __init__(self, capacity: int) -> None:
         self.root = _Node((), None)
         self.capacity = capacity
         self.size = 0
-        self._clock = itertools.count(1)
+        self._lru: OrderedDict[_Node, None] = OrderedDict()
+
+    def _touch(self, path: list[_Node]) -> None:
+        for node in reversed(path):
+            self._lru[node] = None
+            self._lru.move_to_end(node)
 
     def match(self, tokens: list[int]) -> int:
-        node, i, now = self.root, 0, next(self._clock)
+        node, i, path = self.root, 0, []
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
@@ -42,37 +51,43 @@ class PrefixTree:
             n = 0
             while n < len(child.key) and i + n < len(tokens) and child.key[n] == tokens[i + n]:
                 n += 1
-            child.last_access = now
+            path.append(child)
             i += n
             if n < len(child.key):
                 break
             node = child
+        self._touch(path)
         return i
 
     def insert(self, tokens: list[int]) -> None:
-        node, i, now = self.root, 0, next(self._clock)
+        node, i, path = self.root, 0, []
         while i < len(tokens):
             child = node.children.get(tokens[i])
             if child is None:
                 leaf = _Node(tuple(tokens[i:]), node)
-                leaf.last_access = now
                 node.children[tokens[i]] = leaf
                 self.size += len(leaf.key)
+                path.append(leaf)
                 break
             n = 0
             while n < len(child.key) and i + n < len(tokens) and child.key[n] == tokens[i + n]:
                 n += 1
-            child.last_access = now
-            if n < len(child.key):  # split
+            if n < len(child.key):  # split: the head joins the order on touch, after its tail
                 head = _Node(child.key[:n], node)
-                head.last_access = now
                 node.children[tokens[i]] = head
                 child.key, child.parent = child.key[n:], head
                 head.children[child.key[0]] = child
                 child = head
+            path.append(child)
             node, i = child, i + n
+        self._touch(path)
         if self.size > self.capacity:
             self.trim(self.size - self.capacity)
+
+    def _drop(self, node: _Node) -> None:
+        del node.parent.children[node.key[0]]
+        self._lru.pop(node, None)
+        self.size -= len(node.key)
 
     def remove(self, tokens: list[int]) -> None:
         """An engine evicted this path: drop the tail of it that our tree holds as a leaf."""
@@ -84,26 +99,16 @@ class PrefixTree:
             node, i = child, i + len(child.key)
         while node is not self.root and not node.children:
             parent = node.parent
-            del parent.children[node.key[0]]
-            self.size -= len(node.key)
+            self._drop(node)
             node = parent
 
     def trim(self, num_tokens: int) -> None:
-        leaves = []
-        stack = [self.root]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if not n.children and n is not self.root:
-                leaves.append(n)
-        leaves.sort(key=lambda n: n.last_access)
+        """Drop least recently used leaves until num_tokens are gone (or the tree is empty)."""
         freed = 0
-        for leaf in leaves:
-            if freed >= num_tokens:
-                break
-            del leaf.parent.children[leaf.key[0]]
-            self.size -= len(leaf.key)
+        while freed < num_tokens and self._lru:
+            leaf = next(iter(self._lru))
             freed += len(leaf.key)
+            self._drop(leaf)
 
 
 @dataclass

@@ -1,0 +1,139 @@
+"""Router policies and the approximate prefix tree, without Ray."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.routing import PrefixTree, Router
+
+
+def tree_tokens(tree: PrefixTree) -> int:
+    total, stack = 0, [tree.root]
+    while stack:
+        node = stack.pop()
+        total += len(node.key)
+        stack.extend(node.children.values())
+    return total
+
+
+def check_invariants(tree: PrefixTree) -> None:
+    """size is exact; the recency order holds every node once, each after all its descendants."""
+    assert tree.size == tree_tokens(tree)
+    order = {node: i for i, node in enumerate(tree._lru)}
+    stack = list(tree.root.children.values())
+    seen = 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        assert node in order
+        for child in node.children.values():
+            assert order[child] < order[node]
+        stack.extend(node.children.values())
+    assert seen == len(order)
+
+
+def test_match_insert_and_split():
+    t = PrefixTree(capacity=1000)
+    t.insert([1, 2, 3, 4, 5])
+    assert t.match([1, 2, 3, 4, 5, 6]) == 5
+    t.insert([1, 2, 9])  # splits [1..5] at 2
+    assert t.match([1, 2, 9, 9]) == 3 and t.match([1, 2, 3]) == 3 and t.match([7]) == 0
+    assert t.size == 6
+    check_invariants(t)
+
+
+def test_trim_drops_least_recently_used_leaves_first():
+    t = PrefixTree(capacity=1000)
+    t.insert([1, 1, 1])
+    t.insert([2, 2, 2])
+    t.insert([3, 3, 3])
+    t.match([1, 1, 1])  # now [2,2,2] is the oldest
+    t.trim(3)
+    assert t.match([2, 2, 2]) == 0 and t.match([1, 1, 1]) == 3 and t.match([3, 3, 3]) == 3
+    check_invariants(t)
+
+
+def test_capacity_is_kept_and_shared_prefixes_survive():
+    t = PrefixTree(capacity=20)
+    head = [7] * 8
+    for i in range(10):
+        t.insert(head + [i, i, i, i])
+        t.match(head)
+        assert t.size <= 20
+        check_invariants(t)
+    assert t.match(head) == 8  # the shared head is an ancestor: trimmed only after its leaves
+
+
+def test_random_operations_keep_the_invariants():
+    rng = random.Random(0)
+    t = PrefixTree(capacity=200)
+    paths = []
+    for _ in range(500):
+        op = rng.random()
+        if op < 0.6 or not paths:
+            p = [rng.randrange(4) for _ in range(rng.randint(1, 30))]
+            paths.append(p)
+            t.insert(p)
+        elif op < 0.85:
+            t.match(rng.choice(paths))
+        else:
+            t.remove(rng.choice(paths))
+        assert t.size <= 200
+        check_invariants(t)
+
+
+def test_remove_drops_only_a_leaf_tail():
+    t = PrefixTree(capacity=100)
+    t.insert([1, 2, 3, 4])
+    t.insert([1, 2, 5, 6])
+    t.remove([1, 2, 3, 4])
+    assert t.match([1, 2, 3, 4]) == 2 and t.match([1, 2, 5, 6]) == 4
+    t.remove([1, 2])  # not a leaf: kept
+    assert t.match([1, 2, 5, 6]) == 4
+    check_invariants(t)
+
+
+def test_round_robin_and_least_load():
+    rr = Router("round_robin", 3)
+    assert [rr.pick([1], 1) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    ll = Router("least_load", 2)
+    assert ll.pick([1], 100) == 0 and ll.pick([1], 10) == 1 and ll.pick([1], 10) == 1
+    ll.done(0, 100)
+    assert ll.pick([1], 5) == 0
+
+
+def test_cache_aware_follows_the_prefix_until_imbalanced():
+    r = Router("cache_aware", 2, balance_abs_threshold=2, balance_rel_threshold=1.5)
+    prompt = list(range(100))
+    first = r.pick(prompt, 10)
+    assert r.pick(prompt + [1], 10) == first  # same prefix, same engine
+    assert r.pick(prompt + [2], 10) == first
+    # 3 vs 0 requests in flight: past both thresholds, the least loaded engine wins.
+    assert r.pick(prompt + [3], 10) == 1 - first
+    assert r.stats()["prefix_hit_rate"] == pytest.approx(200 / 403)  # two of four requests hit 100 tokens
+
+
+def test_unhealthy_and_excluded_engines_are_skipped():
+    r = Router("cache_aware", 2)
+    r.set_healthy(0, False)
+    assert r.pick([1, 2], 3) == 1
+    assert r.pick([1, 2], 3, exclude=frozenset({1})) is None
+    r.set_healthy(0, True)
+    assert r.pick([5, 6], 3, exclude=frozenset({1})) == 0
+
+
+def test_a_restarted_engine_starts_cold():
+    r = Router("cache_aware", 2)
+    prompt = list(range(50))
+    engine = r.pick(prompt, 1)
+    assert r.trees[engine].match(prompt) == 50
+    r.set_healthy(engine, False)
+    r.set_healthy(engine, True)
+    assert r.trees[engine].match(prompt) == 0
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError):
+        Router("random", 2)
