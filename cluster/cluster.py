@@ -57,8 +57,20 @@ def _error(rid: str, message: str, kind: ErrorKind, prompt_tokens: int = 0) -> S
 class Cluster:
     def __init__(self, config: ClusterConfig | None = None, **kwargs: Any) -> None:
         self.config = config if config is not None else ClusterConfig.from_kwargs(**kwargs)
-        cfg = self.config
-        self._owns_ray = ensure_ray(cfg.address)
+        self._owns_ray = ensure_ray(self.config.address)
+        self.pg = None
+        self.actors: list = []
+        self.coordinators: list = []
+        self._consumers: list = []
+        self._closed = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        try:
+            self._start(self.config)
+        except BaseException:  # nothing started here may outlive a failed constructor
+            self.shutdown()
+            raise
+
+    def _start(self, cfg: ClusterConfig) -> None:
         use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
         self.device = "cuda" if use_gpu else "cpu"
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": cfg.cpus_per_engine}
@@ -70,15 +82,13 @@ class Cluster:
         self.cluster_id = uuid.uuid4().hex[:8]
         self.actor_names = [f"radixray-{self.cluster_id}-engine-{i}" for i in range(cfg.num_engines)]
         self.coordinators, dp = self._make_dp_groups(cfg)
-        self.actors = [
-            actor_cls.options(
+        for i in range(cfg.num_engines):  # one at a time: a failure leaves self.actors complete
+            self.actors.append(actor_cls.options(
                 name=self.actor_names[i], namespace=ACTOR_NAMESPACE, lifetime=None,
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=cfg.max_restarts,
                 max_task_retries=0, max_concurrency=10_000,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(engine_cfg, i, dp[i])
-            for i in range(cfg.num_engines)
-        ]
+            ).remote(engine_cfg, i, dp[i]))
         self.infos: list[EngineInfo] = ray.get([a.info.remote() for a in self.actors], timeout=600)
         model_path = cfg.model_path or builtin_model_path()
         model_cfg = ModelConfig.from_dir(model_path)
@@ -88,11 +98,9 @@ class Cluster:
                                      min(i.max_total_tokens for i in self.infos))
         self.router = Router(cfg.routing, cfg.num_engines, kv_capacity=min(i.max_total_tokens for i in self.infos))
         self._lock = threading.Lock()  # guards the router (request loops and the health thread)
-        self._closed = threading.Event()
         self._where: dict[str, int] = {}  # request id -> engine, while in flight
         self._incarnation: dict[str, str] = {}  # request id -> the engine instance that took it
         self._subs: dict[str, tuple[int, asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._consumers: list = []
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
         self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
@@ -332,16 +340,22 @@ class Cluster:
         return ray.get([a.check_memory.remote() for a in self.actors], timeout=120)
 
     def shutdown(self) -> None:
+        """Stop everything this cluster started (also what a failed constructor got to)."""
         if self._closed.is_set():
             return
         self._closed.set()
         for fut in self._consumers:
             fut.cancel()
         for a in self.actors + self.coordinators:
-            ray.kill(a, no_restart=True)
-        remove_placement_group(self.pg)
-        time.sleep(0.05)  # let the cancelled consumers unwind before the loop stops
-        self._loop.call_soon_threadsafe(self._loop.stop)
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        if self._loop is not None:
+            time.sleep(0.05)  # let the cancelled consumers unwind before the loop stops
+            self._loop.call_soon_threadsafe(self._loop.stop)
         if self._owns_ray:
             ray.shutdown()
 
