@@ -120,8 +120,7 @@ class DPLoop:
                 local = batch.input_ids.shape[0] if batch is not None else 0
                 counts = self.comm.all_gather_ints([local, int(eng.has_pending() or bool(aborted))])
                 if not any(n or busy for n, busy in counts):
-                    for req in sched.execute(None, aborted):
-                        eng._emit(req)
+                    eng.emit(sched.execute(None, aborted))
                     return  # every member is out of work: the wave ends for all at once
                 self.comm.counts = [n for n, _ in counts]
                 if sum(self.comm.counts) == 0:  # work waits (e.g. for KV) but no tokens: no forward
@@ -130,5 +129,4 @@ class DPLoop:
                 else:
                     touched = sched.execute(batch if batch is not None else sched.idle_batch(), aborted)
                 self.steps += 1
-                for req in touched:
-                    eng._emit(req)
+            eng.emit(touched)

@@ -105,6 +105,7 @@ class Engine:
         # Called (on the loop thread) when the loop dies; the Ray actor exits so Ray restarts it.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._step_lock = threading.Lock()
+        self._emit_lock = threading.Lock()
         # Overlap: one forward thread (on CUDA it would own the forward stream), and the batch in flight.
         self._forward_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixray-forward")
                                 if self.config.enable_overlap else None)
@@ -185,12 +186,19 @@ class Engine:
             t0 = time.perf_counter()
             self._drain_inbox()
             touched = self._overlap_step() if self._forward_thread is not None else self.scheduler.step()
+            more = self.scheduler.has_work() or self._inflight is not None
+        self.emit(touched)  # detokenization runs off the step lock
+        if self.scheduler.last_mode is not None:
+            self.step_seconds[self.scheduler.last_mode] += time.perf_counter() - t0
+            self.step_count[self.scheduler.last_mode] += 1
+        return more
+
+    def emit(self, touched: list[Req]) -> None:
+        """Deliver what a step did to each request's sink (one emitter at a time: a request's
+        deltas stay in order)."""
+        with self._emit_lock:
             for req in touched:
                 self._emit(req)
-            if self.scheduler.last_mode is not None:
-                self.step_seconds[self.scheduler.last_mode] += time.perf_counter() - t0
-                self.step_count[self.scheduler.last_mode] += 1
-            return self.scheduler.has_work() or self._inflight is not None
 
     # ---- overlap scheduling ---------------------------------------------------------------
     def _overlap_step(self) -> list[Req]:

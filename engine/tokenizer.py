@@ -94,7 +94,15 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas whose concatenation is exactly the
     final text: it holds back an incomplete UTF-8 character (U+FFFD at the end) and, when stop
     strings are set, the last len(longest stop) - 1 characters, which may start a stop string.
-    A trailing run of byte-fallback pieces is held too: the group decodes as one unit."""
+    A trailing run of byte-fallback pieces is held too: the group decodes as one unit.
+
+    Each step decodes only a window: the tokens since the last emitted text plus a few before
+    them (`prefix_offset`..`read_offset`), whose text is subtracted, so what a tokenizer does
+    at the start of a decode (a stripped leading space, an unfinished byte run) cancels out. A
+    step costs the window, not the whole output. The last step decodes everything once, so
+    the deltas add up to exactly the full decode."""
+
+    WINDOW = 6  # tokens of context decoded before the unread ones
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  stop: tuple[str, ...] = ()) -> None:
@@ -103,29 +111,61 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
-        self.sent = ""
+        self.prefix_offset = 0  # window start
+        self.read_offset = 0  # tokens whose text has been taken (sent or held)
+        self.held = ""  # text taken but not sent: it may begin a stop string
+        self.sent: list[str] = []
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special_tokens)
 
     def _cut_at_stop(self, text: str) -> str:
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         return text if cut < 0 else text[:cut]
 
     def final_text(self) -> str:
-        return self._cut_at_stop(self.tokenizer.decode(self.ids, self.skip_special_tokens))
+        return self._cut_at_stop(self._decode(self.ids))
+
+    def _new_text(self) -> str:
+        """Text of the tokens after read_offset that is final (no partial character or byte run)."""
+        end, byte_ids = len(self.ids), self.tokenizer.byte_run_ids
+        while end > self.read_offset and self.ids[end - 1] in byte_ids:
+            end -= 1
+        if end <= self.read_offset:
+            return ""
+        # Start the window where its own text is not empty and not inside a byte run.
+        start = min(self.prefix_offset, max(self.read_offset - self.WINDOW, 0))
+        while start > 0 and self.ids[start] in byte_ids:
+            start -= 1
+        prefix = self._decode(self.ids[start:self.read_offset])
+        while start > 0 and not prefix:
+            start = max(start - self.WINDOW, 0)
+            prefix = self._decode(self.ids[start:self.read_offset])
+        text = self._decode(self.ids[start:end])
+        if len(text) <= len(prefix) or not text.startswith(prefix) or text.endswith("\ufffd"):
+            return ""  # nothing final yet: wait for more tokens
+        self.prefix_offset, self.read_offset = self.read_offset, end
+        return text[len(prefix):]
 
     def step(self, new_ids: list[int], finished: bool) -> str:
         self.ids.extend(new_ids)
-        if finished:
-            text = self.final_text()
-        else:
-            # Leave out a trailing run of byte-fallback pieces: its text can change as bytes arrive.
-            end, byte_ids = len(self.ids), self.tokenizer.byte_run_ids
-            while end and self.ids[end - 1] in byte_ids:
-                end -= 1
-            text = self.tokenizer.decode(self.ids[:end], self.skip_special_tokens).rstrip("\ufffd")
-            if self.stop:
-                text = self._cut_at_stop(text)
-                text = text[:max(len(text) - self.hold, 0)]
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+        if finished:  # one full decode: the deltas add up to exactly the final text
+            final, sent = self.final_text(), "".join(self.sent)
+            delta = final[len(sent):] if final.startswith(sent) else ""
+            self.sent = [final] if final.startswith(sent) else self.sent
+            return delta
+        if self.stopped:
             return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        pending = self.held + self._new_text()
+        if self.stop:
+            # A stop string not seen before ends in the new text and starts within the held tail.
+            cut = self._cut_at_stop(pending)
+            if len(cut) < len(pending):
+                self.stopped, pending, self.held = True, cut, ""
+            else:
+                keep = max(len(pending) - self.hold, 0)
+                pending, self.held = pending[:keep], pending[keep:]
+        if pending:
+            self.sent.append(pending)
+        return pending

@@ -59,3 +59,20 @@ def test_bos_added_like_transformers(model_dirs):
         for text in TEXTS:
             assert ours.encode(text) == theirs(text).input_ids
             assert ours.encode(text)[0] == 1
+
+
+@pytest.mark.parametrize("stop", [(), ("zz", "qqq")])
+def test_detokenization_cost_is_linear_in_the_output(tok, stop):
+    """Each step decodes a window, not the whole output (which made a stream O(n^2))."""
+    ids = tok.encode(" ".join(TEXTS * 40), add_special_tokens=False)
+    decoded = []
+    detok = IncrementalDetokenizer(tok, stop=stop)
+    real = tok.decode
+    tok.decode = lambda x, skip_special_tokens=True: decoded.append(len(x)) or real(x, skip_special_tokens)
+    try:
+        out = [detok.step([t], finished=(i == len(ids) - 1)) for i, t in enumerate(ids)]
+    finally:
+        del tok.decode
+    assert "".join(out) == real(ids)
+    streaming = sum(decoded) - len(ids)  # the last step decodes everything once
+    assert streaming < 40 * len(ids), (streaming, len(ids))
