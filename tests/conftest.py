@@ -22,7 +22,29 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+# Data a plain clone does not have (the trained stories260K model, KubeRay's CRD schemas): a folder
+# holding models/stories260K and k8s/kuberay-crds. .ci/run points it at ../shared.
+TEST_DATA_ENV = "RADIXRAY_TEST_DATA"
+
+
+def test_data(relative: str) -> Path:
+    """A path under $RADIXRAY_TEST_DATA; skips the calling test, saying how to enable it, when unset."""
+    root = os.environ.get(TEST_DATA_ENV)
+    if not root:
+        pytest.skip(f"needs {relative}: set {TEST_DATA_ENV} to a folder that has it (.ci/run uses ../shared)")
+    path = Path(root) / relative
+    if not path.exists():
+        pytest.fail(f"{TEST_DATA_ENV}={root} has no {relative}")
+    return path
+
+
+class ModelDirs(dict):
+    """name -> checkpoint folder; "stories" (trained, from the test data) skips when it is absent."""
+
+    def __getitem__(self, name: str) -> str:
+        if name == "stories":
+            return str(test_data("models/stories260K"))
+        return super().__getitem__(name)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024)
@@ -48,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     """name -> checkpoint folder: the random configs above plus the real stories260K."""
     root = tmp_path_factory.mktemp("models")
-    dirs = {}
+    dirs = ModelDirs()
     for name, cfg in MODEL_CONFIGS.items():
         cfg = dict(cfg)
         if "rope_parameters" in cfg:
@@ -56,7 +78,6 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         # std 0.15: peaked logits, so float32 rounding never decides a greedy tie.
         dirs[name] = write_checkpoint(str(root / name), cfg, random_llama_weights(cfg, seed=1, std=0.15),
                                       byte_level_tokenizer())
-    dirs["stories"] = str(STORIES)
     return dirs
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine import Engine, SamplingParams
-from tests.engine.test_parity import GREEDY, assert_matches_hf, prompts, run_staggered
+from tests.helpers import GREEDY, assert_matches_hf, prompts, run_staggered
 
 SCENARIOS = {
     "single": dict(n=1, kw={}),

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from engine import Engine, SamplingParams
+from tests.helpers import GREEDY, assert_matches_hf, prompts, run_staggered
 
-GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 MODELS = ["llama", "qwen2", "qwen3", "stories"]
-
-
-def prompts(engine: Engine, n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    return [[1] + [rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def assert_matches_hf(engine: Engine, hf, path: str, ids: list[list[int]], outs, n: int = 16) -> None:
-    for p, o in zip(ids, outs):
-        assert o.token_ids == hf.greedy(path, p, n), f"prompt of {len(p)} tokens diverged"
-        assert o.finish_reason == "length"
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -95,23 +81,6 @@ def test_chunked_prefill(model_dirs, hf, name):
     outs = eng.generate(input_ids=ids, sampling_params=GREEDY)
     assert_matches_hf(eng, hf, model_dirs[name], ids, outs)
     eng.check_memory()
-
-
-def run_staggered(eng: Engine, ids: list[list[int]], params: SamplingParams, every: int = 3) -> list:
-    """Submit one request every `every` steps, so prefills land while others decode."""
-    results: dict[str, list] = {}
-    order = []
-    for i, p in enumerate(ids):
-        rid = eng.submit(p, params, lambda d: results[d.rid].append(d), rid=f"r{i}")
-        results[rid] = []
-        order.append(rid)
-        for _ in range(every):
-            eng.step()
-    while eng.step():
-        pass
-    from engine.engine import collect_output
-
-    return [collect_output(rid, results[rid]) for rid in order]
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "stories"])

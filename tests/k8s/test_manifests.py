@@ -10,16 +10,15 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, test_data
 
-CRDS = ROOT.parent / "shared" / "k8s" / "kuberay-crds"
 MANIFESTS = sorted((ROOT / "k8s").glob("*.yaml"))
 KIND_TO_CRD = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjobs.yaml",
                "RayCluster": "ray.io_rayclusters.yaml"}
 
 
 def crd_schema(kind: str) -> dict:
-    crd = yaml.safe_load((CRDS / KIND_TO_CRD[kind]).read_text())
+    crd = yaml.safe_load((test_data("k8s/kuberay-crds") / KIND_TO_CRD[kind]).read_text())
     return next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
 
 

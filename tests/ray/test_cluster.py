@@ -12,7 +12,7 @@ import ray
 from actors.protocol import GenerateRequest, decode_delta, encode
 from cluster import Cluster, ClusterConfig
 from engine import Engine, SamplingParams
-from tests.ray.streams import finals_after
+from tests.helpers import finals_after
 
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)

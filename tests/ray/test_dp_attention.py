@@ -11,7 +11,7 @@ import ray
 
 from cluster import Cluster, ClusterConfig
 from engine import Engine, SamplingParams
-from tests.ray.streams import finals_after
+from tests.helpers import finals_after
 
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
@@ -54,8 +54,9 @@ def test_prefill_beside_decode_and_chunked(ray_local, model_dirs):
     ref_b = single.generate(input_ids=long_prompt, sampling_params=GREEDY)
     with dp_cluster(path, chunked_prefill_size=16) as cl:
         async def run():
-            a = asyncio.create_task(_collect(cl, short, params_long))  # member 0 decodes...
-            await asyncio.sleep(0.05)
+            decoding = asyncio.Event()
+            a = asyncio.create_task(_collect(cl, short, params_long, decoding))  # member 0 decodes...
+            await decoding.wait()
             b = asyncio.create_task(_collect(cl, long_prompt, GREEDY))  # ...while member 1 prefills in chunks
             return await asyncio.gather(a, b)
 
@@ -66,17 +67,26 @@ def test_prefill_beside_decode_and_chunked(ray_local, model_dirs):
         cl.check_memory()
 
 
-async def _collect(cl: Cluster, ids: list[int], params: SamplingParams) -> list[int]:
-    return [t async for d in cl.stream_ids(ids, params) for t in d.token_ids]
+async def _collect(cl: Cluster, ids: list[int], params: SamplingParams,
+                   first_token: asyncio.Event | None = None) -> list[int]:
+    tokens = []
+    async for d in cl.stream_ids(ids, params):
+        tokens += d.token_ids
+        if first_token is not None and tokens:
+            first_token.set()
+    return tokens
 
 
 def test_no_steps_without_work_then_a_wave(ray_local, model_dirs):
     with dp_cluster(model_dirs["stories"]) as cl:
         cl.generate(prompt="Once upon a time", sampling_params=GREEDY)
-        time.sleep(0.5)
-        before = [e["dp"]["steps"] for e in cl.stats()["engines"]]
         waves = cl.dp_stats()[0]["waves_started"]
-        time.sleep(2.0)
+        deadline = time.monotonic() + 30  # every member has finished the waves it was given
+        while any(e["dp"]["waves"] < waves for e in cl.stats()["engines"]):
+            assert time.monotonic() < deadline, cl.stats()["engines"]
+            time.sleep(0.05)
+        before = [e["dp"]["steps"] for e in cl.stats()["engines"]]
+        time.sleep(2.0)  # the window in which an idle group must not step
         assert [e["dp"]["steps"] for e in cl.stats()["engines"]] == before  # nobody spins
         cl.generate(prompt="The cat", sampling_params=GREEDY)
         assert cl.dp_stats()[0]["waves_started"] > waves

@@ -67,8 +67,7 @@ def test_chat_stream_equals_nonstream(client):
 
 
 def test_token_id_prompts_stop_and_logprobs(client):
-    ids = [1, 9038, 2501, 263, 931]  # "Once upon a time" in stories' vocabulary? (checked below)
-    ids = [t % 512 for t in ids]
+    ids = [1, 401, 253, 263, 431]  # any ids inside stories' 512-token vocabulary
     a = client.completions.create(model="stories260K", prompt=ids, max_tokens=8, temperature=0)
     b = client.completions.create(model="stories260K", prompt=[ids, ids], max_tokens=8, temperature=0)
     assert [c.text for c in b.choices] == [a.choices[0].text] * 2 and [c.index for c in b.choices] == [0, 1]
@@ -179,7 +178,8 @@ def test_load_256_concurrent_streams(server):
     assert [r[3] for r in results] == [16 + i % 48 for i in range(256)]  # none lost, none duplicated
     stats = engines_idle_and_clean(server[1])
     assert all(s["kv_used"] == 0 and s["running"] == 0 for s in stats)
-    assert sum(s["num_retracted"] for s in stats) > 0 or max(s["waiting"] for s in stats) == 0
+    # The 700-token pools cannot hold 128 streams each: requests had to queue or be retracted.
+    assert sum(s["num_retracted"] for s in stats) > 0
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,68 @@
+"""Helpers shared by test modules (test modules never import each other). No Ray import here:
+the GPU machine runs the engine tests without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine import Engine, SamplingParams, StreamDelta
+from engine.engine import collect_output
+
+if TYPE_CHECKING:
+    from cluster import Cluster
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def prompts(engine: Engine, n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    return [[1] + [rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_matches_hf(engine: Engine, hf, path: str, ids: list[list[int]], outs, n: int = 16) -> None:
+    for p, o in zip(ids, outs):
+        assert o.token_ids == hf.greedy(path, p, n), f"prompt of {len(p)} tokens diverged"
+        assert o.finish_reason == "length"
+
+
+def run_staggered(eng: Engine, ids: list[list[int]], params: SamplingParams, every: int = 3) -> list:
+    """Submit one request every `every` steps, so prefills land while others decode."""
+    results: dict[str, list] = {}
+    order = []
+    for i, p in enumerate(ids):
+        rid = f"r{i}"
+        results[rid] = []
+        eng.submit(p, params, lambda d: results[d.rid].append(d), rid=rid)
+        order.append(rid)
+        for _ in range(every):
+            eng.step()
+    while eng.step():
+        pass
+    return [collect_output(rid, results[rid]) for rid in order]
+
+
+async def finals_after(cl: Cluster, prompts: list[str], params: SamplingParams, action: Callable[[], None],
+                       timeout_s: float = 240) -> list[StreamDelta]:
+    """Stream every prompt; once each has streamed a delta (and none has ended), run `action`;
+    return each stream's last delta. A fixed sleep instead raced fast engines to the end."""
+    streaming: set[int] = set()
+    all_streaming = asyncio.Event()
+
+    async def final(i: int) -> StreamDelta:
+        deltas = []
+        async for delta in cl.stream(prompt=prompts[i], sampling_params=params):
+            deltas.append(delta)
+            streaming.add(i)
+            if len(streaming) == len(prompts):
+                all_streaming.set()
+        return deltas[-1]
+
+    tasks = [asyncio.create_task(final(i)) for i in range(len(prompts))]
+    await asyncio.wait_for(all_streaming.wait(), timeout=60)
+    assert not any(t.done() for t in tasks), "a request ended before the action: make them longer"
+    action()
+    return await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s)
