@@ -32,7 +32,7 @@ def test_data(relative: str) -> Path:
     root = os.environ.get(TEST_DATA_ENV)
     if not root:
         pytest.skip(f"needs {relative}: set {TEST_DATA_ENV} to a folder that has it (.ci/run uses ../shared)")
-    path = Path(root) / relative
+    path = Path(root).resolve() / relative
     if not path.exists():
         pytest.fail(f"{TEST_DATA_ENV}={root} has no {relative}")
     return path
