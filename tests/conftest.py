@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TEST_DATA_ENV = "RADIXRAY_TEST_DATA"
 
 
-def test_data(relative: str) -> Path:
+def data_path(relative: str) -> Path:
     """A path under $RADIXRAY_TEST_DATA; skips the calling test, saying how to enable it, when unset."""
     root = os.environ.get(TEST_DATA_ENV)
     if not root:
@@ -43,7 +43,7 @@ class ModelDirs(dict):
 
     def __getitem__(self, name: str) -> str:
         if name == "stories":
-            return str(test_data("models/stories260K"))
+            return str(data_path("models/stories260K"))
         return super().__getitem__(name)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.conftest import ROOT, test_data
+from tests.conftest import ROOT, data_path
 
 MANIFESTS = sorted((ROOT / "k8s").glob("*.yaml"))
 KIND_TO_CRD = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjobs.yaml",
@@ -18,7 +18,7 @@ KIND_TO_CRD = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjob
 
 
 def crd_schema(kind: str) -> dict:
-    crd = yaml.safe_load((test_data("k8s/kuberay-crds") / KIND_TO_CRD[kind]).read_text())
+    crd = yaml.safe_load((data_path("k8s/kuberay-crds") / KIND_TO_CRD[kind]).read_text())
     return next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
 
 

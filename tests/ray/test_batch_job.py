@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, test_data
+from tests.conftest import ROOT, data_path
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -75,7 +75,7 @@ def test_batch_job_via_ray_job_submit(ray_head, tmp_path):
         json.dumps({"id": "e", "prompt": "Tom", "max_tokens": 10, "top_p": 0.9, "top_k": 20, "ignore_eos": True}),
     ]
     inp.write_text("\n".join(lines) + "\n")
-    args = ["--input", str(inp), "--output", str(out), "--model", str(test_data("models/stories260K")), "--no-progress"]
+    args = ["--input", str(inp), "--output", str(out), "--model", str(data_path("models/stories260K")), "--no-progress"]
     r = submit(ray_head, *args)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     recs = {rec["id"]: rec for rec in map(json.loads, out.read_text().splitlines())}
