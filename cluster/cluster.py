@@ -25,7 +25,7 @@ from engine import GenerateOutput, SamplingParams, StreamDelta
 from engine.builtin_model import builtin_model_path
 from engine.config import ModelConfig
 from engine.engine import collect_output
-from engine.errors import ErrorKind
+from engine.errors import EngineDeadError, ErrorKind
 from engine.inputs import InputProcessor
 from engine.tokenizer import Tokenizer
 
@@ -47,6 +47,13 @@ def ensure_ray(address: str | None = None, log_to_driver: bool = False) -> bool:
     # "local": always a new private cluster, never one found through /tmp/ray by accident.
     ray.init(address="local", include_dashboard=False, log_to_driver=log_to_driver)
     return True
+
+
+def _engine_is_gone(error: ray.exceptions.RayError) -> bool:
+    """The engine, not just this request, is lost: its actor died or its loop is dead."""
+    if isinstance(error, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
+        return True
+    return isinstance(getattr(error, "cause", None), EngineDeadError)
 
 
 def _error(rid: str, message: str, kind: ErrorKind, prompt_tokens: int = 0) -> StreamDelta:
@@ -185,7 +192,7 @@ class Cluster:
                     return
                 # Each attempt reads its own subscription: a late message about an earlier
                 # engine is dropped by _deliver, never read as this attempt's.
-                streamed = finished = dead = False
+                streamed = finished = False
                 self._subscribe(rid, idx, queue)
                 try:
                     incarnation = await self.actors[idx].submit.remote(payload)
@@ -205,9 +212,9 @@ class Cluster:
                         if finished:
                             return
                 except ray.exceptions.RayError as e:  # the actor died, or its engine loop is dead
-                    dead = True
-                    with self._lock:
-                        self.router.set_healthy(idx, False)
+                    if _engine_is_gone(e):
+                        with self._lock:
+                            self.router.set_healthy(idx, False)
                     if streamed:
                         yield _error(rid, f"engine {idx} died mid-stream: {type(e).__name__}", "engine_error",
                                      len(input_ids))
@@ -216,8 +223,8 @@ class Cluster:
                     log.warning("engine %d died before streaming request %s; re-routing", idx, rid)
                 finally:
                     self._unsubscribe(rid)
-                    if not finished and not dead:
-                        self.actors[idx].abort.remote(rid)  # cancelled, timed out: free its KV
+                    if not finished:  # cancelled, timed out, or given up on: free its KV there
+                        self.actors[idx].abort.remote(rid)  # (a no-op on a dead actor)
                     with self._lock:
                         self.router.done(idx, cost)
                 queue = asyncio.Queue()

@@ -5,12 +5,14 @@
 
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -77,9 +79,9 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 # How an engine-side error kind reaches the client (StreamDelta.error_kind).
-ERROR_STATUS = {"invalid_request": (400, "invalid_request_error"), "overloaded": (503, "server_error"),
+ERROR_STATUS = MappingProxyType({"invalid_request": (400, "invalid_request_error"), "overloaded": (503, "server_error"),
                 "timeout": (504, "server_error"), "aborted": (503, "server_error"),
-                "engine_error": (500, "server_error")}
+                "engine_error": (500, "server_error")})
 
 
 def delta_error_response(delta: StreamDelta) -> JSONResponse:
@@ -94,6 +96,18 @@ def bearer_ok(request: Request, api_key: str | None) -> bool:
     auth = request.headers.get("authorization", "")
     token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
     return hmac.compare_digest(token.encode(), api_key.encode())
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends. When the client disconnects while
+    a chunk is being sent, Starlette abandons the generator suspended at its `yield`, and its
+    cleanup (aborting the request on its engine) would wait for garbage collection."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 app = FastAPI(title="radixray", description="OpenAI-compatible API over radixray engine actors")
@@ -177,8 +191,9 @@ class OpenAIServer:
         async def pump(i: int, ids: list[int]) -> None:
             """Every choice ends with a final delta, whatever stream_ids does."""
             try:
-                async for d in self.cluster.stream_ids(ids, params, rids[i]):
-                    queue.put_nowait((i, d))
+                async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[i])) as deltas:
+                    async for d in deltas:
+                        queue.put_nowait((i, d))
             except Exception as e:  # a bug: an explicit error, never a choice with no end
                 log.exception("request %s failed", rids[i])
                 queue.put_nowait((i, StreamDelta(rid=rids[i], text="", token_ids=[], finish_reason="abort",
@@ -306,14 +321,15 @@ class OpenAIServer:
     async def _respond(self, request: Request, req, rid: str, obj: str, inputs: list[list[int]], params: SamplingParams,
                        chat: bool) -> Response:
         if req.stream:
-            return StreamingResponse(self._sse(request, req, rid, inputs, params, chat),
+            return ClosingStreamingResponse(self._sse(request, req, rid, inputs, params, chat),
                                      media_type="text/event-stream")
         t0 = time.monotonic()
         per_choice: list[list[StreamDelta]] = [[] for _ in inputs]
-        async for i, d in self._merged(request, rid, inputs, params):
-            if not per_choice[i] and d.token_ids:
-                self.metrics.ttft.observe(time.monotonic() - t0)
-            per_choice[i].append(d)
+        async with contextlib.aclosing(self._merged(request, rid, inputs, params)) as merged:
+            async for i, d in merged:
+                if not per_choice[i] and d.token_ids:
+                    self.metrics.ttft.observe(time.monotonic() - t0)
+                per_choice[i].append(d)
         finals = [c[-1] for c in per_choice]
         for c in per_choice:
             self._record(c)
@@ -351,38 +367,42 @@ class OpenAIServer:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         last_write = time.monotonic()
-        async for i, d in self._merged(request, rid, inputs, params):
-            per_choice[i].append(d)
-            now = time.monotonic()
-            if d.token_ids:
-                if i in last_token_at:
-                    self.metrics.itl.observe(now - last_token_at[i])
+        async with contextlib.aclosing(self._merged(request, rid, inputs, params)) as merged:
+            async for i, d in merged:
+                per_choice[i].append(d)
+                now = time.monotonic()
+                if d.token_ids:
+                    if i in last_token_at:
+                        self.metrics.itl.observe(now - last_token_at[i])
+                    else:
+                        self.metrics.ttft.observe(now - t0)
+                    last_token_at[i] = now
+                if d.error:  # after the 200: the text it still carries, an error event, a finish_reason
+                    if d.text:
+                        part = {"index": i, "logprobs": None, "finish_reason": None}
+                        yield chunk([{**part, "delta": {"content": d.text}} if chat else {**part, "text": d.text}])
+                    _, type_ = ERROR_STATUS.get(d.error_kind or "engine_error", (500, "server_error"))
+                    yield b"data: " + msgspec.json.encode({"error": {
+                        "message": d.error, "type": type_, "param": None, "code": d.error_kind}}) + b"\n\n"
+                    finish = {"index": i, "logprobs": None, "finish_reason": d.finish_reason}
+                    yield chunk([{**finish, "delta": {}} if chat else {**finish, "text": ""}])
+                    continue
+                if not d.text and d.finish_reason is None:
+                    # Tokens with no visible text send nothing; an SSE comment now and then keeps the
+                    # connection written to, which is how a client disconnect gets noticed (then the
+                    # request is aborted). Clients ignore comment lines.
+                    if now - last_write > SSE_KEEPALIVE_S:
+                        last_write = now
+                        yield b": keep-alive\n\n"
+                    continue
+                last_write = now
+                lp = self._logprobs([d], chat)
+                if chat:
+                    c = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                         "finish_reason": d.finish_reason}
                 else:
-                    self.metrics.ttft.observe(now - t0)
-                last_token_at[i] = now
-            if d.error:  # after the 200: an error event, then the choice's finish_reason
-                _, type_ = ERROR_STATUS.get(d.error_kind or "engine_error", (500, "server_error"))
-                yield b"data: " + msgspec.json.encode({"error": {
-                    "message": d.error, "type": type_, "param": None, "code": d.error_kind}}) + b"\n\n"
-                finish = {"index": i, "logprobs": None, "finish_reason": d.finish_reason}
-                yield chunk([{**finish, "delta": {}} if chat else {**finish, "text": ""}])
-                continue
-            if not d.text and d.finish_reason is None:
-                # Tokens with no visible text send nothing; an SSE comment now and then keeps the
-                # connection written to, which is how a client disconnect gets noticed (then the
-                # request is aborted). Clients ignore comment lines.
-                if now - last_write > SSE_KEEPALIVE_S:
-                    last_write = now
-                    yield b": keep-alive\n\n"
-                continue
-            last_write = now
-            lp = self._logprobs([d], chat)
-            if chat:
-                c = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                     "finish_reason": d.finish_reason}
-            else:
-                c = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-            yield chunk([c])
+                    c = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+                yield chunk([c])
         for c in per_choice:
             if c:
                 self._record(c)

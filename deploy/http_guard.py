@@ -65,6 +65,10 @@ class _ReadDeadline:
         self._read_timer = None
         if self.transport.is_closing():
             return
+        flow = getattr(self, "flow", None)
+        if flow is not None and flow.read_paused:  # the server stopped reading, not the client
+            self._arm(_timeouts()[1])
+            return
         cycle = getattr(self, "cycle", None)
         if cycle is None or not cycle.response_started:
             self.transport.write(_TIMEOUT_RESPONSE % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))

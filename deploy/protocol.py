@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -89,7 +90,7 @@ class ContentPart(msgspec.Struct):
 
 
 # "developer" is OpenAI's newer name for "system"; templates know only the latter.
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = MappingProxyType({"system": "system", "developer": "system", "user": "user", "assistant": "assistant"})
 
 
 class ChatMessage(msgspec.Struct):

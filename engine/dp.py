@@ -119,14 +119,18 @@ class DPLoop:
                 aborted, batch = sched.schedule()
                 local = batch.input_ids.shape[0] if batch is not None else 0
                 counts = self.comm.all_gather_ints([local, int(eng.has_pending() or bool(aborted))])
-                if not any(n or busy for n, busy in counts):
-                    eng.emit(sched.execute(None, aborted))
-                    return  # every member is out of work: the wave ends for all at once
-                self.comm.counts = [n for n, _ in counts]
-                if sum(self.comm.counts) == 0:  # work waits (e.g. for KV) but no tokens: no forward
+                ended = not any(n or busy for n, busy in counts)
+                if ended:  # every member is out of work: the wave ends for all at once
                     touched = sched.execute(None, aborted)
-                    time.sleep(0.001)
                 else:
-                    touched = sched.execute(batch if batch is not None else sched.idle_batch(), aborted)
-                self.steps += 1
-            eng.emit(touched)
+                    self.comm.counts = [n for n, _ in counts]
+                    if sum(self.comm.counts) == 0:  # work waits (e.g. for KV) but no tokens: no forward
+                        touched = sched.execute(None, aborted)
+                        time.sleep(0.001)
+                    else:
+                        touched = sched.execute(batch if batch is not None else sched.idle_batch(), aborted)
+                    self.steps += 1
+                outputs = eng.take_outputs(touched)
+            eng.send_outputs(outputs)
+            if ended:
+                return

@@ -110,7 +110,8 @@ class Engine:
         self._forward_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixray-forward")
                                 if self.config.enable_overlap else None)
         self._inflight: tuple | None = None
-        self.overlapped_steps = 0  # decode batches launched while the previous one still ran
+        self.overlapped_steps = 0
+        self.num_received = 0  # requests that reached the loop (aborted early or not)  # decode batches launched while the previous one still ran
         self._loop_thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -143,8 +144,8 @@ class Engine:
             self.on_work()
         return rid
 
-    def abort(self, rid: str, message: str = "aborted by client") -> None:
-        self._inbox.put(("abort", (rid, message, "aborted")))
+    def abort(self, rid: str, message: str = "aborted by client", kind: ErrorKind = "aborted") -> None:
+        self._inbox.put(("abort", (rid, message, kind)))
         self._wake.set()
         if self.on_work is not None:
             self.on_work()
@@ -157,6 +158,7 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
+                self.num_received += 1
                 rid = item.req.rid
                 if rid in self._trackers:
                     item.sink(self._error_delta(item.req, f"duplicate request id {rid!r}", "invalid_request"))
@@ -168,7 +170,7 @@ class Engine:
                     continue
                 self._trackers[rid] = item
                 self.scheduler.add_request(item.req)
-            elif item[0] in self._trackers:
+            elif item[0] in self.scheduler.reqs:
                 self.scheduler.abort_request(*item)
             else:
                 # An abort can overtake its request across actor calls: remember it a while.
@@ -187,18 +189,63 @@ class Engine:
             self._drain_inbox()
             touched = self._overlap_step() if self._forward_thread is not None else self.scheduler.step()
             more = self.scheduler.has_work() or self._inflight is not None
-        self.emit(touched)  # detokenization runs off the step lock
+            outputs = self.take_outputs(touched)
+        self.send_outputs(outputs)  # detokenization runs off the step lock
         if self.scheduler.last_mode is not None:
             self.step_seconds[self.scheduler.last_mode] += time.perf_counter() - t0
             self.step_count[self.scheduler.last_mode] += 1
         return more
 
-    def emit(self, touched: list[Req]) -> None:
-        """Deliver what a step did to each request's sink (one emitter at a time: a request's
-        deltas stay in order)."""
-        with self._emit_lock:
-            for req in touched:
-                self._emit(req)
+    # ---- output ---------------------------------------------------------------------------
+    def take_outputs(self, touched: list[Req]) -> list[tuple[_Tracker, StreamDelta]]:
+        """Under the step lock: what each touched request got this step (text still to add).
+        Also takes the emit lock, which send_outputs releases: steps deliver in step order."""
+        out = []
+        for req in touched:
+            tr = self._trackers.get(req.rid)
+            if tr is None:
+                continue
+            new = req.output_ids[tr.sent_tokens:]
+            finished = req.finished()
+            if not (new or finished):
+                continue
+            logprobs = None
+            if req.sampling_params.logprobs:
+                logprobs = [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, req.output_logprobs[tr.sent_tokens:])]
+            tr.sent_tokens = len(req.output_ids)
+            reason = req.finished_reason
+            out.append((tr, StreamDelta(
+                rid=req.rid, text="", token_ids=new, finish_reason=reason.kind if finished else None,
+                prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
+                cached_tokens=req.cached_tokens, logprobs=logprobs,
+                error=reason.message if finished and reason.kind == "abort" else None,
+                error_kind=reason.error_kind if finished else None)))
+            if finished:
+                del self._trackers[req.rid]
+        self._emit_lock.acquire()
+        return out
+
+    def send_outputs(self, outputs: list[tuple[_Tracker, StreamDelta]]) -> None:
+        """Detokenize and deliver what take_outputs took; releases the emit lock."""
+        try:
+            for tr, delta in outputs:
+                try:
+                    delta.text = tr.detok.step(delta.token_ids, delta.finish_reason is not None)
+                    tr.sink(delta)
+                except Exception as e:  # this request's output failed (detokenizer, sink): end it alone
+                    self._fail_output(tr, delta, e)
+        finally:
+            self._emit_lock.release()
+
+    def _fail_output(self, tr: _Tracker, delta: StreamDelta, error: Exception) -> None:
+        log.exception("output of request %s failed", delta.rid)
+        if delta.finish_reason is None:  # still generating: stop it (through the inbox, as any abort)
+            self._trackers.pop(delta.rid, None)
+            self.abort(delta.rid, "output failed", "engine_error")
+        try:
+            tr.sink(self._error_delta(tr.req, f"engine error: {type(error).__name__}: {error}", "engine_error"))
+        except Exception:
+            log.exception("could not report the failure of request %s", delta.rid)
 
     # ---- overlap scheduling ---------------------------------------------------------------
     def _overlap_step(self) -> list[Req]:
@@ -236,44 +283,6 @@ class Engine:
         batch, wait = self._inflight
         self._inflight = None
         return self.scheduler.complete(batch, wait)
-
-    def _emit(self, req: Req) -> None:
-        tr = self._trackers.get(req.rid)
-        if tr is None:
-            return
-        try:
-            self._emit_delta(req, tr)
-        except Exception as e:  # this request's output failed (detokenizer, sink): end it alone
-            log.exception("output of request %s failed", req.rid)
-            self._trackers.pop(req.rid, None)
-            if not req.finished():
-                self.scheduler.abort_request(req.rid, "output failed", "engine_error")
-            try:
-                tr.sink(self._error_delta(req, f"engine error: {type(e).__name__}: {e}", "engine_error"))
-            except Exception:
-                log.exception("could not report the failure of request %s", req.rid)
-
-    def _emit_delta(self, req: Req, tr: _Tracker) -> None:
-        new = req.output_ids[tr.sent_tokens:]
-        finished = req.finished()
-        logprobs = None
-        if req.sampling_params.logprobs:
-            logprobs = [TokenLogprob(t, lp[0], lp[1])
-                        for t, lp in zip(new, req.output_logprobs[tr.sent_tokens:])]
-        tr.sent_tokens = len(req.output_ids)
-        text = tr.detok.step(new, finished)
-        if not (new or finished):
-            return
-        delta = StreamDelta(
-            rid=req.rid, text=text, token_ids=new,
-            finish_reason=req.finished_reason.kind if finished else None,
-            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens, logprobs=logprobs,
-            error=req.finished_reason.message if finished and req.finished_reason.kind == "abort" else None,
-            error_kind=req.finished_reason.error_kind if finished else None)
-        if finished:
-            del self._trackers[req.rid]
-        tr.sink(delta)
 
     def _error_delta(self, req: Req, message: str, kind: ErrorKind) -> StreamDelta:
         return StreamDelta(rid=req.rid, text="", token_ids=[], finish_reason="abort",
@@ -395,6 +404,8 @@ class Engine:
             "generated_tokens": s.generated_tokens,
             "num_retracted": s.num_retracted,
             "num_aborted": s.num_aborted,
+            "num_failed": s.num_failed,
+            "num_received": self.num_received,
             "overlapped_steps": self.overlapped_steps,
             "batches_by_mode": dict(s.batches_by_mode),
         }

@@ -5,8 +5,7 @@ from typing import Literal
 import msgspec
 
 # Why a request ended without finishing normally (StreamDelta.error_kind); the HTTP layer maps
-# each to a status: invalid_request 400, aborted 499-like (the client left), timeout 504,
-# overloaded 503, engine_error 500.
+# each to a status (deploy/app.py ERROR_STATUS).
 ErrorKind = Literal["invalid_request", "aborted", "timeout", "overloaded", "engine_error"]
 
 

@@ -76,15 +76,19 @@ class ScheduleBatch:
         """One slot per new token; writes req_to_token[row, :prefix] and [row, prefix:seq]."""
         out_cache_loc = self.alloc_token_slots(sum(self.extend_lens))
         pool, offset = self.req_to_token_pool, 0
-        for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
-            if r.req_pool_idx is None:
-                r.req_pool_idx = pool.alloc()
+        try:
+            for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
                 if r.req_pool_idx is None:
-                    raise OutOfKVError("no free request row")
-                pool.write(r.req_pool_idx, 0, r.prefix_indices)
-            pool.write(r.req_pool_idx, p, out_cache_loc[offset:offset + n])
-            r.kv_len = p + n
-            offset += n
+                    r.req_pool_idx = pool.alloc()
+                    if r.req_pool_idx is None:
+                        raise OutOfKVError("no free request row")
+                    pool.write(r.req_pool_idx, 0, r.prefix_indices)
+                pool.write(r.req_pool_idx, p, out_cache_loc[offset:offset + n])
+                r.kv_len = p + n
+                offset += n
+        except BaseException:  # slots no request row records yet would leak
+            self.allocator.free(out_cache_loc[offset:])
+            raise
         self.req_pool_indices = self._to_device([r.req_pool_idx for r in self.reqs], torch.int64)
         return out_cache_loc
 
@@ -107,9 +111,13 @@ class ScheduleBatch:
         self.out_cache_loc = self.alloc_token_slots(bs)
         old_lens = [r.kv_len for r in self.reqs]
         rows = [r.req_pool_idx for r in self.reqs]
-        self.req_pool_indices = self._to_device(rows, torch.int64)
-        self.req_to_token_pool.req_to_token[self.req_pool_indices, self._to_device(old_lens, torch.int64)] = (
-            self.out_cache_loc.to(torch.int32))
+        try:
+            self.req_pool_indices = self._to_device(rows, torch.int64)
+            self.req_to_token_pool.req_to_token[self.req_pool_indices, self._to_device(old_lens, torch.int64)] = (
+                self.out_cache_loc.to(torch.int32))
+        except BaseException:  # not recorded in any row: give the slots back
+            self.allocator.free(self.out_cache_loc)
+            raise
         self.prefix_lens, self.extend_lens = old_lens, [1] * bs
         self.seq_lens_cpu = [n + 1 for n in old_lens]
         for r in self.reqs:
@@ -149,11 +157,3 @@ class ScheduleBatch:
         gone = {id(r) for r in retracted}
         self.reqs = [r for r in self.reqs if id(r) not in gone]
         return retracted
-
-    # ---- membership ------------------------------------------------------------------------
-    def filter_batch(self, keep: list[Req] | None = None) -> None:
-        """Drop finished requests (or keep exactly `keep`)."""
-        self.reqs = [r for r in self.reqs if not r.finished()] if keep is None else keep
-
-    def merge_batch(self, other: ScheduleBatch) -> None:
-        self.reqs = self.reqs + other.reqs

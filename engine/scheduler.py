@@ -104,7 +104,7 @@ class Scheduler:
             else:
                 if req is self.chunked_req:
                     self.chunked_req = None
-                self.running_batch.filter_batch()
+                self._drop_finished_from_running()
                 if req.req_pool_idx is not None:
                     self.tree_cache.cache_finished_req(req)
             ended.append(req)
@@ -187,14 +187,15 @@ class Scheduler:
                 self.prompt_tokens += len(req.origin_input_ids)
         self.chunked_req = adder.new_chunked_req
         batch = self._new_batch(adder.can_run)
+        mixed = bool(self.config.enable_mixed_chunk and running and self.running_batch.check_decode_mem())
         try:
-            if self.config.enable_mixed_chunk and running and self.running_batch.check_decode_mem():
+            if mixed:
                 self.running_batch = self._new_batch([])
                 batch.mix_with_running(self._new_batch(running))
             else:
                 batch.prepare_for_extend()
         except Exception as e:  # the requests of this batch fail; the engine goes on
-            self.failed += self.fail_reqs(batch.reqs + running, e)
+            self.failed += self.fail_reqs(batch.reqs + (running if mixed else []), e)
             return None
         return batch
 
@@ -269,8 +270,13 @@ class Scheduler:
                 log.exception("releasing the KV of request %s failed", req.rid)
             self.num_failed += 1
             ended.append(req)
-        self.running_batch.filter_batch()
+        self._drop_finished_from_running()
         return ended
+
+    def _drop_finished_from_running(self) -> None:
+        # A new batch object, never an edit of the old one: under overlap the old one may be
+        # in flight, and its rows must keep lining up with its requests.
+        self.running_batch = self._new_batch([r for r in self.running_batch.reqs if not r.finished()])
 
     def launch_batch(self, batch: ScheduleBatch, executor=None) -> Callable[[], SampleResult]:
         """Build the ForwardBatch here; run forward + sample here or on `executor` (the overlap
@@ -311,36 +317,36 @@ class Scheduler:
                 touched += self.fail_reqs([req], "the model produced non-finite logits or "
                                                  "probabilities for this request")
                 continue
+            if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
+                self.tree_cache.cache_unfinished_req(req)
+                continue
             try:
-                if self._process_one(req, batch, result, i, decoding):
-                    still_running.append(req)
-            except Exception as e:  # one request's bug fails that request only
-                self.fail_reqs([req], e)
+                self._append_token(req, result, i)
+            except Exception as e:  # one request's bug (stop checks, say) fails that request only
+                touched += self.fail_reqs([req], e)
+                continue
+            # The cache calls stay outside that guard: one failing half-way leaves the tree in an
+            # unknown state, which no single request can be blamed for (the loop dies instead).
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+            else:
+                if batch.forward_mode.is_extend() and id(req) not in decoding:
+                    # The prompt's KV joins the tree now, so requests sharing it hit at once.
+                    self.tree_cache.cache_unfinished_req(req)
+                still_running.append(req)
             touched.append(req)
         if batch.forward_mode == ForwardMode.EXTEND:
-            self.running_batch.merge_batch(self._new_batch(still_running))
+            self.running_batch = self._new_batch(self.running_batch.reqs + still_running)
         else:  # DECODE, or MIXED whose batch holds the former running requests too
             self.running_batch = self._new_batch(still_running)
         return touched
 
-    def _process_one(self, req: Req, batch: ScheduleBatch, result: SampleResult, i: int,
-                     decoding: set[int]) -> bool:
-        """Append row i's token to req and cache its KV; returns whether it keeps running."""
-        if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
-            self.tree_cache.cache_unfinished_req(req)
-            return False
+    def _append_token(self, req: Req, result: SampleResult, i: int) -> None:
         req.output_ids.append(result.next_token_ids[i])
         if req.sampling_params.logprobs:
             req.output_logprobs.append(result.logprobs[i])
         self.generated_tokens += 1
         req.check_finished(self.eos_token_ids, self.max_context_len, self.decode_tail)
-        if req.finished():
-            self.tree_cache.cache_finished_req(req)
-            return False
-        if batch.forward_mode.is_extend() and id(req) not in decoding:
-            # The prompt's KV joins the tree now, so requests sharing it hit at once.
-            self.tree_cache.cache_unfinished_req(req)
-        return True
 
     # ---- integrity ---------------------------------------------------------------------------
     def check_memory(self) -> None:

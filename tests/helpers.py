@@ -48,7 +48,7 @@ def run_staggered(eng: Engine, ids: list[list[int]], params: SamplingParams, eve
 async def finals_after(cl: Cluster, prompts: list[str], params: SamplingParams, action: Callable[[], None],
                        timeout_s: float = 240) -> list[StreamDelta]:
     """Stream every prompt; once each has streamed a delta (and none has ended), run `action`;
-    return each stream's last delta. A fixed sleep instead raced fast engines to the end."""
+    return each stream's last delta (a condition, not a sleep: a fast engine could finish first)."""
     streaming: set[int] = set()
     all_streaming = asyncio.Event()
 

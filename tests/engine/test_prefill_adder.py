@@ -1,4 +1,4 @@
-"""PrefillAdder's budgets, and the MIXED batch that once ran out of KV slots."""
+"""PrefillAdder's budgets, including the slots a MIXED batch's decode tokens need."""
 
 from __future__ import annotations
 

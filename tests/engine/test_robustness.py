@@ -111,19 +111,26 @@ def test_sampler_flags_non_finite_rows_and_samples_the_rest():
     assert 0 <= ids[2].item() < 50 and ids[2].item() in logits[2].topk(5).indices.tolist()
 
 
-def test_non_finite_logits_fail_that_request_only(engine, monkeypatch):
+@pytest.mark.parametrize("mode", ["normal", "overlap"])
+def test_non_finite_logits_fail_that_request_only(model_dirs, mode):
+    """Under overlap the next decode batch is already in flight when the bad row is found: the
+    other requests' rows must still line up with their requests."""
+    engine = Engine(model_path=model_dirs["llama"], max_total_tokens=512, **MODES[mode])
     base = engine.generate(input_ids=PROMPTS, sampling_params=greedy())
     forward = engine.model_runner.forward
+    decodes = {"n": 0}
 
     def poisoned(fb):
         logits = forward(fb)
-        if logits is not None and logits.shape[0] == len(PROMPTS):
-            logits[1, 3] = float("nan")  # request 1, on the second batch of four
+        if fb.forward_mode.is_decode():
+            decodes["n"] += 1
+            if decodes["n"] == 3:
+                logits[1, 3] = float("nan")  # request 1, on its third decode step
         return logits
 
-    monkeypatch.setattr(engine.model_runner, "forward", poisoned)
+    engine.model_runner.forward = poisoned
     outs = engine.generate(input_ids=PROMPTS, sampling_params=greedy())
-    monkeypatch.undo()
+    engine.model_runner.forward = forward
     assert outs[1].finish_reason == "abort" and outs[1].error_kind == "engine_error"
     assert "non-finite" in outs[1].error
     for i in (0, 2, 3):

@@ -63,7 +63,7 @@ def test_bos_added_like_transformers(model_dirs):
 
 @pytest.mark.parametrize("stop", [(), ("zz", "qqq")])
 def test_detokenization_cost_is_linear_in_the_output(tok, stop):
-    """Each step decodes a window, not the whole output (which made a stream O(n^2))."""
+    """Each step decodes a window, not the whole output: a stream costs O(n), not O(n^2)."""
     ids = tok.encode(" ".join(TEXTS * 40), add_special_tokens=False)
     decoded = []
     detok = IncrementalDetokenizer(tok, stop=stop)
