@@ -18,30 +18,18 @@ from typing import Any
 import msgspec
 from tqdm import tqdm
 
-from engine import InvalidRequestError, SamplingParams
+from cluster.cli import add_cluster_flags, cluster_config
+from cluster.openai_params import OpenAISampling
+from engine import InvalidRequestError
 
 
-class BatchLine(msgspec.Struct, forbid_unknown_fields=True):
+class BatchLine(OpenAISampling, kw_only=True, forbid_unknown_fields=True):
     id: str | int
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
-    def sampling_params(self) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, stop=tuple(stop), seed=self.seed,
-                              ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty)
+
+DEFAULT_MAX_TOKENS = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,14 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, help="JSONL file of requests")
     ap.add_argument("--output", required=True, help="JSONL results (appended; ids already there are skipped)")
-    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the built-in model)")
-    ap.add_argument("--engines", type=int, default=1)
-    ap.add_argument("--routing", default="cache_aware", choices=["round_robin", "least_load", "cache_aware"])
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--cpus-per-engine", type=float, default=1.0)
     ap.add_argument("--max-in-flight", type=int, default=256, help="requests submitted at once")
-    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per engine")
     ap.add_argument("--no-progress", action="store_true")
+    ap.set_defaults(config_fields=add_cluster_flags(ap))
     return ap
 
 
@@ -86,7 +69,7 @@ def parse_line(raw: str, lineno: int) -> tuple[str, BatchLine | None, str | None
     if (line.prompt is None) == (line.messages is None):
         return rid, None, "give exactly one of prompt or messages"
     try:
-        line.sampling_params()
+        line.sampling_params(DEFAULT_MAX_TOKENS)
     except InvalidRequestError as e:
         return rid, None, str(e)
     return rid, line, None
@@ -102,7 +85,7 @@ async def run_batch(cluster, lines: list[tuple[str, BatchLine]], out, max_in_fli
         async with sem:
             try:
                 ids = cluster.inputs.tokenize(prompt=line.prompt, messages=line.messages)
-                params = line.sampling_params()
+                params = line.sampling_params(DEFAULT_MAX_TOKENS)
                 cluster.inputs.validate_request(len(ids), params)
                 deltas = [d async for d in cluster.stream_ids(ids, params)]
                 text = "".join(d.text for d in deltas)
@@ -146,12 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch: {len(todo)} to run, {len(done)} already done, {len(bad)} invalid line(s)", flush=True)
         if not todo:
             return 0
-        from cluster import Cluster, ClusterConfig
+        from cluster import Cluster
 
-        engine = {"max_total_tokens": args.max_total_tokens} if args.max_total_tokens else {}
-        cfg = ClusterConfig(model_path=args.model, num_engines=args.engines, routing=args.routing,
-                            device=args.device, cpus_per_engine=args.cpus_per_engine, engine=engine)
-        cluster = Cluster(cfg)
+        cluster = Cluster(cluster_config(args, *args.config_fields))
         try:
             with tqdm(total=len(todo), disable=args.no_progress, unit="req") as bar:
                 cluster.run(run_batch(cluster, todo, out, args.max_in_flight, bar))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
-from cluster.routing import POLICIES
+from cluster.routing import POLICIES, RoutingPolicy
 from engine import EngineConfig
 from engine.config import build_config
 from engine.errors import ConfigError
@@ -15,11 +15,11 @@ from engine.errors import ConfigError
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_path: str | None = None
     num_engines: int = 1
-    routing: str = "cache_aware"
-    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when the Ray cluster has GPUs)
+    routing: RoutingPolicy = "cache_aware"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the Ray cluster has GPUs
     cpus_per_engine: float = 1.0
     torch_threads_per_engine: int | None = None  # default: cpus_per_engine rounded up
-    placement_strategy: str = "PACK"
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     max_restarts: int = -1  # Ray restarts a dead engine actor (-1: forever)
     request_timeout_s: float = 600.0
     health_check_period_s: float = 1.0

@@ -10,8 +10,10 @@ from __future__ import annotations
 import itertools
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-POLICIES = ("round_robin", "least_load", "cache_aware")
+RoutingPolicy = Literal["round_robin", "least_load", "cache_aware"]
+POLICIES = get_args(RoutingPolicy)
 
 
 class _Node:

@@ -23,10 +23,12 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import Cluster, ClusterConfig
+from cluster.cli import ENGINE_OWN_FIELDS
 from deploy.metrics import ServerMetrics
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from engine import EngineConfig, InvalidRequestError, SamplingParams, StreamDelta
-from engine.errors import invalid_request_from
+from engine.config import build_config
+from engine.errors import ConfigError, invalid_request_from
 from engine.logs import log_to_stderr
 
 log = logging.getLogger("radixray.http")
@@ -35,41 +37,42 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
 
 
-class AppArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What the app is built from: ClusterConfig's fields, EngineConfig's fields (flat or under
-    `engine`), and the HTTP options."""
+class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What only the HTTP app needs; everything else is the ClusterConfig it nests."""
 
-    model_path: str | None = None
-    num_engines: int = 1
-    routing: str = "cache_aware"
-    device: str = "auto"
-    cpus_per_engine: float = 1.0
-    torch_threads_per_engine: int | None = None
-    placement_strategy: str = "PACK"
-    request_timeout_s: float = 600.0
-    dp_attention: bool = False
-    dp_group_size: int | None = None
-    engine: dict[str, Any] = {}
-    api_key: str | None = None
+    api_key: str | None = None  # or RADIXRAY_API_KEY in the replica's environment
     served_model_name: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = 256
 
+
+class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
+    """What the app is built from: a ClusterConfig and the HTTP options, nested. Its flat form
+    (YAML `args`, `serve run ... key=value`, the CLI) uses their field names side by side, with
+    EngineConfig's fields flat or under `engine`."""
+
+    cluster: ClusterConfig
+    http: HTTPOptions
+
+    @classmethod
+    def flat_fields(cls) -> set[str]:
+        engine = set(EngineConfig.__struct_fields__) - set(ENGINE_OWN_FIELDS)
+        return set(ClusterConfig.__struct_fields__) | set(HTTPOptions.__struct_fields__) | engine
+
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> "AppArgs":
         args = dict(args or {})
-        engine_fields = set(EngineConfig.__struct_fields__) - {"model_path", "device", "torch_threads"}
+        unknown = sorted(set(args) - cls.flat_fields() - {"engine"})
+        if unknown:
+            raise ConfigError(f"unknown app argument(s): {', '.join(unknown)}")
+        http = {k: args.pop(k) for k in list(args) if k in HTTPOptions.__struct_fields__}
+        if http.get("api_key") is None and os.environ.get("RADIXRAY_API_KEY"):
+            http["api_key"] = os.environ["RADIXRAY_API_KEY"]
         engine = dict(args.pop("engine", None) or {})
-        for key in list(args):
-            if key in engine_fields:
-                engine[key] = args.pop(key)
-        if args.get("api_key") is None and os.environ.get("RADIXRAY_API_KEY"):
-            args["api_key"] = os.environ["RADIXRAY_API_KEY"]
-        return msgspec.convert({**args, "engine": engine}, cls)
-
-    def cluster_config(self) -> ClusterConfig:
-        fields = set(ClusterConfig.__struct_fields__)
-        return ClusterConfig.from_kwargs(**{k: v for k, v in msgspec.structs.asdict(self).items() if k in fields})
+        engine_fields = set(EngineConfig.__struct_fields__) - set(ENGINE_OWN_FIELDS)
+        engine.update({k: args.pop(k) for k in list(args) if k in engine_fields})
+        return cls(cluster=ClusterConfig.from_kwargs(**args, engine=engine),
+                   http=build_config(HTTPOptions, "http", http))
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -137,9 +140,11 @@ class OpenAIServer:
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         log_to_stderr()
         self.args = AppArgs.from_dict(args)
-        self.cluster = Cluster(self.args.cluster_config())
-        self.model_name = self.args.served_model_name or (
-            os.path.basename(os.path.normpath(self.args.model_path)) if self.args.model_path else "radixray-builtin")
+        self.http = self.args.http
+        self.cluster = Cluster(self.args.cluster)
+        model_path = self.args.cluster.model_path
+        self.model_name = self.http.served_model_name or (
+            os.path.basename(os.path.normpath(model_path)) if model_path else "radixray-builtin")
         self.metrics = ServerMetrics()
         self.created = int(time.time())
 
@@ -151,14 +156,14 @@ class OpenAIServer:
     # ---- plumbing --------------------------------------------------------------------------
     async def _read(self, request: Request, schema: type) -> Any:
         """Size, auth and body checks; returns the parsed body or an error response."""
-        if not bearer_ok(request, self.args.api_key):
+        if not bearer_ok(request, self.http.api_key):
             return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.args.max_body_bytes:
-            return error_response(413, f"request body over {self.args.max_body_bytes} bytes", code="body_too_large")
+        if length is not None and length.isdigit() and int(length) > self.http.max_body_bytes:
+            return error_response(413, f"request body over {self.http.max_body_bytes} bytes", code="body_too_large")
         body = await request.body()
-        if len(body) > self.args.max_body_bytes:
-            return error_response(413, f"request body over {self.args.max_body_bytes} bytes", code="body_too_large")
+        if len(body) > self.http.max_body_bytes:
+            return error_response(413, f"request body over {self.http.max_body_bytes} bytes", code="body_too_large")
         try:
             parsed = msgspec.json.decode(body, type=schema)
             parsed.validate()
@@ -252,7 +257,7 @@ class OpenAIServer:
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        if not bearer_ok(request, self.args.api_key):
+        if not bearer_ok(request, self.http.api_key):
             return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
         return JSONResponse({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "radixray",
@@ -283,7 +288,7 @@ class OpenAIServer:
         if isinstance(req, Response):
             return self._rejected(rid, req)
         try:
-            params = req.sampling(self.args.default_max_tokens)
+            params = req.sampling(self.http.default_max_tokens)
             inputs = [self.cluster.inputs.tokenize(**p) for p in req.prompts()]
             for ids in inputs:
                 self.cluster.inputs.validate_request(len(ids), params)

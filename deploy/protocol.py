@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from cluster.openai_params import OpenAISampling
 from engine import InvalidRequestError, SamplingParams
 
 
@@ -14,40 +15,20 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Common(msgspec.Struct, kw_only=True):
+class _Common(OpenAISampling, kw_only=True):
     """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI does."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
     n: int = 1
     user: str | None = None
-    skip_special_tokens: bool = True
 
     def to_sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
                     default_max_tokens: int) -> SamplingParams:
         if self.n != 1:
             raise InvalidRequestError("only n=1 is supported", "n")
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(
-            max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens)
+        return self.sampling_params(default_max_tokens, max_tokens, logprobs, top_logprobs)
 
     def validate(self) -> None:
         """Checks msgspec's types cannot express; raises InvalidRequestError."""

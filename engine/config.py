@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgspec
 
 from engine.errors import ConfigError
 
-SCHEDULE_POLICIES = ("fcfs", "lpm")
-ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+SchedulePolicy = Literal["fcfs", "lpm"]
+AttentionBackendName = Literal["torch", "triton", "flash_attn"]
+LinearBackend = Literal["auto", "onednn", "torch"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+SCHEDULE_POLICIES = get_args(SchedulePolicy)
+ATTENTION_BACKENDS = get_args(AttentionBackendName)
+LINEAR_BACKENDS = get_args(LinearBackend)
+DTYPES = get_args(DType)
 
 
 def build_config(cls: type, what: str, kwargs: dict[str, Any]) -> Any:
@@ -33,19 +37,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     model_path: str | None = None
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: DType = "auto"
     max_total_tokens: int | None = None  # KV slots; None: from mem_fraction_static on CUDA, 65536 on CPU
     mem_fraction_static: float = 0.8
     max_running_requests: int | None = None
     max_context_len: int | None = None  # defaults to the model's max_position_embeddings
     chunked_prefill_size: int | None = None  # None: no chunking beyond max_prefill_tokens
     max_prefill_tokens: int | None = None  # None: 16384
-    schedule_policy: str = "fcfs"
+    schedule_policy: SchedulePolicy = "fcfs"
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False
     enable_overlap: bool = False
-    attention_backend: str = "torch"
-    linear_backend: str = "auto"  # auto: oneDNN with prepacked weights on the CPU, else torch
+    attention_backend: AttentionBackendName = "torch"
+    linear_backend: LinearBackend = "auto"  # auto: oneDNN with prepacked weights on the CPU, else torch
     disable_cuda_graph: bool = False  # decode/IDLE graphs on CUDA (with a graph-safe backend)
     cuda_graph_max_bs: int = 64
     init_new_token_ratio: float = 0.7

@@ -87,7 +87,7 @@ def test_serve_configs_agree():
             "model_path"}, name
     from deploy.app import AppArgs
 
-    known = set(AppArgs.__struct_fields__)
+    known = AppArgs.flat_fields()
     for name, cfg in configs:
         assert set(cfg["applications"][0]["args"]) <= known, name
 
@@ -99,5 +99,5 @@ def test_rayjob_entrypoint_parses_with_batch_cli():
     argv = shlex.split(doc["spec"]["entrypoint"])
     assert argv[:4] == ["python", "-m", "cluster", "batch"]
     args = build_parser().parse_args(argv[4:])
-    assert args.input == "/data/prompts.jsonl" and args.output == "/data/results.jsonl" and args.engines == 2
+    assert args.input == "/data/prompts.jsonl" and args.output == "/data/results.jsonl" and args.num_engines == 2
     assert doc["spec"]["shutdownAfterJobFinishes"] is True

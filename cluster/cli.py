@@ -1,0 +1,67 @@
+"""Command-line flags generated from the config structs: one flag per field, same name with
+dashes, typed and (for Literal fields) with choices, so no CLI re-declares a config field."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import msgspec
+
+from cluster.config import ClusterConfig
+from engine.config import EngineConfig
+
+ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads")  # set on the cluster, not per engine
+RENAMES = {"model_path": "model", "num_engines": "engines"}  # the short flags users know
+
+
+def _scalar(t: msgspec.inspect.Type) -> msgspec.inspect.Type | None:
+    """The one non-None member of an optional type; None for types a flag cannot carry."""
+    if isinstance(t, msgspec.inspect.UnionType):
+        members = [m for m in t.types if not isinstance(m, msgspec.inspect.NoneType)]
+        return _scalar(members[0]) if len(members) == 1 else None
+    kinds = (msgspec.inspect.BoolType, msgspec.inspect.IntType, msgspec.inspect.FloatType,
+             msgspec.inspect.StrType, msgspec.inspect.LiteralType)
+    return t if isinstance(t, kinds) else None
+
+
+def add_struct_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple[str, ...] = (),
+                     renames: dict[str, str] | None = None) -> list[str]:
+    """Add --field-name for each field of `cls` a flag can carry; defaults are None (unset), so
+    only the flags given override the struct's own defaults. Returns the fields added."""
+    renames = renames or {}
+    added = []
+    for f in msgspec.inspect.type_info(cls).fields:
+        t = _scalar(f.type)
+        if f.name in skip or t is None:
+            continue
+        flag = "--" + renames.get(f.name, f.name).replace("_", "-")
+        default = f.default if f.default is not msgspec.NODEFAULT else None
+        help_text = f"default: {default}"
+        if isinstance(t, msgspec.inspect.BoolType):
+            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
+        elif isinstance(t, msgspec.inspect.LiteralType):
+            parser.add_argument(flag, dest=f.name, choices=list(t.values), default=None, help=help_text)
+        else:
+            kind = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(t), str)
+            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
+        added.append(f.name)
+    return added
+
+
+def given(args: argparse.Namespace, fields: list[str]) -> dict[str, Any]:
+    """The fields whose flags were given."""
+    return {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
+
+
+def add_cluster_flags(ap: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """ClusterConfig's and EngineConfig's fields as flags; returns (cluster fields, engine fields)."""
+    cluster = add_struct_flags(ap.add_argument_group("cluster options (ClusterConfig)"), ClusterConfig,
+                               skip=("engine",), renames=RENAMES)
+    engine = add_struct_flags(ap.add_argument_group("engine options (EngineConfig)"), EngineConfig,
+                              skip=ENGINE_OWN_FIELDS)
+    return cluster, engine
+
+
+def cluster_config(args: argparse.Namespace, cluster: list[str], engine: list[str]) -> ClusterConfig:
+    return ClusterConfig.from_kwargs(**given(args, cluster), engine=given(args, engine))

@@ -1,0 +1,37 @@
+"""The OpenAI-named sampling fields and their one mapping to SamplingParams (the HTTP bodies and
+the batch job's input lines both extend this struct)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine import SamplingParams
+
+
+class OpenAISampling(msgspec.Struct, kw_only=True):
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, default_max_tokens: int, max_tokens: int | None = None, logprobs: bool = False,
+                        top_logprobs: int = 0) -> SamplingParams:
+        """max_tokens overrides the field (chat's max_completion_tokens); raises InvalidRequestError."""
+        max_tokens = max_tokens if max_tokens is not None else self.max_tokens
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(
+            max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens)
