@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from cluster.routing import POLICIES, RoutingPolicy
+from cluster.routing import POLICIES, RoutingName
 from engine import EngineConfig
 from engine.config import build_config
 from engine.errors import ConfigError
@@ -15,7 +15,7 @@ from engine.errors import ConfigError
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_path: str | None = None
     num_engines: int = 1
-    routing: RoutingPolicy = "cache_aware"
+    routing: RoutingName = "cache_aware"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the Ray cluster has GPUs
     cpus_per_engine: float = 1.0
     torch_threads_per_engine: int | None = None  # default: cpus_per_engine rounded up

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from types import MappingProxyType
+from typing import Literal, Protocol, get_args
 
-RoutingPolicy = Literal["round_robin", "least_load", "cache_aware"]
-POLICIES = get_args(RoutingPolicy)
+RoutingName = Literal["round_robin", "least_load", "cache_aware"]
+POLICIES = get_args(RoutingName)
 
 
 class _Node:
@@ -120,25 +122,74 @@ class EngineLoad:
     tokens: int = 0  # prompt + max output tokens of those requests
 
 
+class RoutingPolicy(Protocol):
+    """Chooses an engine among the healthy candidates for a tokenized request. It may read the
+    router's loads and prefix trees; the router accounts the choice (loads, trees, stats)."""
+
+    def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int: ...
+
+
 @dataclass
-class Router:
-    policy: str
-    num_engines: int
-    kv_capacity: int = 1 << 16
+class RoundRobin:
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
+        return candidates[next(self._turn) % len(candidates)]
+
+
+@dataclass
+class LeastLoad:
+    def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
+        return router.least_loaded(candidates)
+
+
+@dataclass
+class CacheAware:
+    """The longest cached prefix wins, unless the load is imbalanced past both thresholds or the
+    match is too short to matter: then the least loaded engine."""
+
     balance_abs_threshold: int = 8  # requests
     balance_rel_threshold: float = 1.5
     cache_threshold: float = 0.3  # share of the prompt that must match to follow the cache
+
+    def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
+        reqs = [router.loads[i].requests for i in candidates]
+        if (max(reqs) - min(reqs) > self.balance_abs_threshold
+                and max(reqs) > self.balance_rel_threshold * max(min(reqs), 1)):
+            return router.least_loaded(candidates)
+        matches = {i: router.trees[i].match(input_ids) for i in candidates}
+        best = max(candidates, key=lambda i: (matches[i], -router.loads[i].requests, -i))
+        # A short match (a BOS token, a common template head) is no reason to pile up on one engine.
+        if matches[best] < self.cache_threshold * len(input_ids):
+            return router.least_loaded(candidates)
+        return best
+
+
+# The policies by the name ClusterConfig.routing takes; a new policy is a class and a line here.
+ROUTING_POLICIES: Mapping[str, Callable[[], RoutingPolicy]] = MappingProxyType(
+    {"round_robin": RoundRobin, "least_load": LeastLoad, "cache_aware": CacheAware})
+
+
+@dataclass
+class Router:
+    """Engine loads and approximate prefix trees, shared by every policy."""
+
+    policy: str | RoutingPolicy
+    num_engines: int
+    kv_capacity: int = 1 << 16
     loads: list[EngineLoad] = field(default_factory=list)
     decisions: Counter = field(default_factory=Counter)
     matched_tokens: int = 0
     prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"routing must be one of {POLICIES}, got {self.policy!r}")
+        self.policy_name = self.policy if isinstance(self.policy, str) else type(self.policy).__name__
+        if isinstance(self.policy, str):
+            if self.policy not in ROUTING_POLICIES:
+                raise ValueError(f"routing must be one of {POLICIES}, got {self.policy!r}")
+            self.policy = ROUTING_POLICIES[self.policy]()
         self.loads = [EngineLoad() for _ in range(self.num_engines)]
         self.trees = [PrefixTree(self.kv_capacity) for _ in range(self.num_engines)]
-        self._rr = itertools.count()
 
     def healthy(self) -> list[int]:
         return [i for i, ld in enumerate(self.loads) if ld.healthy]
@@ -151,12 +202,7 @@ class Router:
         candidates = [i for i in self.healthy() if i not in exclude]
         if not candidates:
             return None
-        if self.policy == "round_robin":
-            choice = candidates[next(self._rr) % len(candidates)]
-        elif self.policy == "least_load":
-            choice = self.least_loaded(candidates)
-        else:
-            choice = self._cache_aware(input_ids, candidates)
+        choice = self.policy.choose(self, input_ids, candidates)
         self.matched_tokens += self.trees[choice].match(input_ids)
         self.prompt_tokens += len(input_ids)
         self.trees[choice].insert(input_ids)
@@ -164,17 +210,6 @@ class Router:
         self.loads[choice].requests += 1
         self.loads[choice].tokens += cost
         return choice
-
-    def _cache_aware(self, input_ids: list[int], candidates: list[int]) -> int:
-        reqs = [self.loads[i].requests for i in candidates]
-        if max(reqs) - min(reqs) > self.balance_abs_threshold and max(reqs) > self.balance_rel_threshold * max(min(reqs), 1):
-            return self.least_loaded(candidates)
-        matches = {i: self.trees[i].match(input_ids) for i in candidates}
-        best = max(candidates, key=lambda i: (matches[i], -self.loads[i].requests, -i))
-        # A short match (a BOS token, a common template head) is no reason to pile up on one engine.
-        if matches[best] < self.cache_threshold * len(input_ids):
-            return self.least_loaded(candidates)
-        return best
 
     def done(self, engine: int, cost: int) -> None:
         self.loads[engine].requests -= 1
@@ -191,7 +226,7 @@ class Router:
 
     def stats(self) -> dict:
         return {
-            "policy": self.policy,
+            "policy": self.policy_name,
             "decisions": [self.decisions[i] for i in range(self.num_engines)],
             "prefix_hit_rate": self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
         }

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cluster.routing import PrefixTree, Router
+from cluster.routing import POLICIES, ROUTING_POLICIES, CacheAware, PrefixTree, Router
 
 
 def tree_tokens(tree: PrefixTree) -> int:
@@ -105,7 +105,7 @@ def test_round_robin_and_least_load():
 
 
 def test_cache_aware_follows_the_prefix_until_imbalanced():
-    r = Router("cache_aware", 2, balance_abs_threshold=2, balance_rel_threshold=1.5)
+    r = Router(CacheAware(balance_abs_threshold=2, balance_rel_threshold=1.5), 2)
     prompt = list(range(100))
     first = r.pick(prompt, 10)
     assert r.pick(prompt + [1], 10) == first  # same prefix, same engine
@@ -137,3 +137,18 @@ def test_a_restarted_engine_starts_cold():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError):
         Router("random", 2)
+
+
+def test_every_configurable_policy_is_registered():
+    assert set(POLICIES) == set(ROUTING_POLICIES)
+    for name in POLICIES:
+        assert Router(name, 2).pick([1, 2, 3], 1) in (0, 1)
+
+
+def test_a_policy_is_a_class_with_choose():
+    class Last:
+        def choose(self, router, input_ids, candidates):
+            return candidates[-1]
+
+    r = Router(Last(), 3)
+    assert r.pick([1], 1) == 2 and r.stats()["policy"] == "Last"
