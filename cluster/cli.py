@@ -8,11 +8,17 @@ from typing import Any
 
 import msgspec
 
-from cluster.config import ClusterConfig
+from cluster.config import ENGINE_OWN_FIELDS, ClusterConfig
 from engine.config import EngineConfig
 
-ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads")  # set on the cluster, not per engine
 RENAMES = {"model_path": "model", "num_engines": "engines"}  # the short flags users know
+HELP = {  # where the default says too little
+    "model_path": "HF checkpoint folder (default: the built-in noise model)",
+    "api_key": "require this bearer token (default: $RADIXRAY_API_KEY, else none)",
+    "address": "Ray address (default: $RAY_ADDRESS, else a new local cluster)",
+    "max_total_tokens": "KV slots per engine (default: from the memory budget)",
+    "request_timeout_s": "end a request after this many seconds (default: 600)",
+}
 
 
 def _scalar(t: msgspec.inspect.Type) -> msgspec.inspect.Type | None:
@@ -35,9 +41,11 @@ def add_struct_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tup
         t = _scalar(f.type)
         if f.name in skip or t is None:
             continue
+        if isinstance(t, msgspec.inspect.BoolType) and f.default is True:
+            raise TypeError(f"{cls.__name__}.{f.name} defaults to True: a store_true flag cannot turn it off")
         flag = "--" + renames.get(f.name, f.name).replace("_", "-")
         default = f.default if f.default is not msgspec.NODEFAULT else None
-        help_text = f"default: {default}"
+        help_text = HELP.get(f.name, f"default: {default}")
         if isinstance(t, msgspec.inspect.BoolType):
             parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
         elif isinstance(t, msgspec.inspect.LiteralType):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -212,9 +213,12 @@ class Cluster:
                         if finished:
                             return
                 except ray.exceptions.RayError as e:  # the actor died, or its engine loop is dead
-                    if _engine_is_gone(e):
-                        with self._lock:
-                            self.router.set_healthy(idx, False)
+                    if not _engine_is_gone(e):  # this request's failure, not the engine's
+                        log.error("request %s failed on engine %d", rid, idx, exc_info=e)
+                        yield _error(rid, f"engine error: {type(e).__name__}", "engine_error", len(input_ids))
+                        return
+                    with self._lock:
+                        self.router.set_healthy(idx, False)
                     if streamed:
                         yield _error(rid, f"engine {idx} died mid-stream: {type(e).__name__}", "engine_error",
                                      len(input_ids))
@@ -289,8 +293,9 @@ class Cluster:
                      input_ids: list[int] | None = None, messages: list[dict] | None = None,
                      rid: str | None = None) -> AsyncIterator[StreamDelta]:
         prompts, params, _ = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
-        async for delta in self.stream_ids(prompts[0], params[0], rid):
-            yield delta
+        async with contextlib.aclosing(self.stream_ids(prompts[0], params[0], rid)) as deltas:
+            async for delta in deltas:  # closed however the caller leaves: the request is aborted
+                yield delta
 
     async def generate_async(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                              messages: Any = None) -> GenerateOutput | list[GenerateOutput]:

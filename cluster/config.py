@@ -11,6 +11,9 @@ from engine import EngineConfig
 from engine.config import build_config
 from engine.errors import ConfigError
 
+# EngineConfig fields the cluster sets for every engine itself (not per-engine overrides).
+ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads")
+
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_path: str | None = None
@@ -39,7 +42,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ConfigError("device must be auto, cpu or cuda")
         if self.cpus_per_engine <= 0:
             raise ConfigError("cpus_per_engine must be > 0")
-        for key in ("model_path", "device", "torch_threads"):
+        for key in ENGINE_OWN_FIELDS:
             if key in self.engine:
                 raise ConfigError(f"set {key!r} on the cluster, not in engine overrides")
         self.engine_config()  # validates the overrides' names and values now
@@ -47,8 +50,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ConfigError("dp_group_size must divide num_engines")
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> ClusterConfig:
-        return build_config(cls, "cluster", kwargs)
+    def from_kwargs(cls, strict: bool = True, **kwargs: Any) -> ClusterConfig:
+        return build_config(cls, "cluster", kwargs, strict)
 
     def engine_config(self, device: str | None = None) -> EngineConfig:
         threads = self.torch_threads_per_engine or max(1, int(-(-self.cpus_per_engine // 1)))

@@ -23,7 +23,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import Cluster, ClusterConfig
-from cluster.cli import ENGINE_OWN_FIELDS
+from cluster.config import ENGINE_OWN_FIELDS
 from deploy.metrics import ServerMetrics
 from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from engine import EngineConfig, InvalidRequestError, SamplingParams, StreamDelta
@@ -71,8 +71,11 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
         engine = dict(args.pop("engine", None) or {})
         engine_fields = set(EngineConfig.__struct_fields__) - set(ENGINE_OWN_FIELDS)
         engine.update({k: args.pop(k) for k in list(args) if k in engine_fields})
-        return cls(cluster=ClusterConfig.from_kwargs(**args, engine=engine),
-                   http=build_config(HTTPOptions, "http", http))
+        typed = msgspec.structs.asdict(build_config(EngineConfig, "engine", engine, strict=False))
+        engine = {k: typed[k] for k in engine}
+        # Not strict: `serve run deploy.app:build_app num_engines=2` passes strings.
+        return cls(cluster=ClusterConfig.from_kwargs(strict=False, **args, engine=engine),
+                   http=build_config(HTTPOptions, "http", http, strict=False))
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,

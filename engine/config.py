@@ -20,16 +20,30 @@ LINEAR_BACKENDS = get_args(LinearBackend)
 DTYPES = get_args(DType)
 
 
-def build_config(cls: type, what: str, kwargs: dict[str, Any]) -> Any:
+def build_config(cls: type, what: str, kwargs: dict[str, Any], strict: bool = True) -> Any:
     """A frozen config struct from keyword arguments; unknown or ill-typed fields raise a
-    ConfigError that names them."""
+    ConfigError that names them (and, for a choice, its choices). strict=False also takes
+    strings for numbers and booleans ("2", "true"), as `serve run ... key=value` passes them."""
     unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
     if unknown:
         raise ConfigError(f"unknown {what} config field(s): {', '.join(unknown)}")
     try:
-        return msgspec.convert(kwargs, cls)
+        return msgspec.convert(kwargs, cls, strict=strict)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"invalid {what} config: {e}") from None
+        raise ConfigError(f"invalid {what} config: {e}{_choices_hint(cls, str(e))}") from None
+
+
+def _choices_hint(cls: type, error: str) -> str:
+    if "at `$." not in error:
+        return ""
+    name = error.split("at `$.", 1)[1].split("`", 1)[0]
+    for f in msgspec.inspect.type_info(cls).fields:
+        t = f.type
+        if isinstance(t, msgspec.inspect.UnionType):
+            t = next((m for m in t.types if isinstance(m, msgspec.inspect.LiteralType)), t)
+        if f.name == name and isinstance(t, msgspec.inspect.LiteralType):
+            return f" (one of {', '.join(map(str, t.values))})"
+    return ""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -114,7 +114,8 @@ class DPLoop:
     def _wave(self) -> None:
         eng, sched = self.engine, self.engine.scheduler
         while True:
-            with eng._step_lock:
+            eng._step_lock.acquire()
+            try:
                 eng._drain_inbox()
                 aborted, batch = sched.schedule()
                 local = batch.input_ids.shape[0] if batch is not None else 0
@@ -131,6 +132,12 @@ class DPLoop:
                         touched = sched.execute(batch if batch is not None else sched.idle_batch(), aborted)
                     self.steps += 1
                 outputs = eng.take_outputs(touched)
-            eng.send_outputs(outputs)
+                eng._emit_lock.acquire()  # before the step lock goes: deliveries keep step order
+            finally:
+                eng._step_lock.release()
+            try:
+                eng.send_outputs(outputs)
+            finally:
+                eng._emit_lock.release()
             if ended:
                 return

@@ -70,10 +70,11 @@ class GenerateOutput(msgspec.Struct):
 class _Tracker:
     """Per-request output state, kept outside the scheduler."""
 
-    __slots__ = ("req", "detok", "sent_tokens", "sink")
+    __slots__ = ("req", "detok", "sent_tokens", "sink", "failed")
 
     def __init__(self, req: Req, detok: IncrementalDetokenizer, sink: Callable[[StreamDelta], None]) -> None:
         self.req, self.detok, self.sent_tokens, self.sink = req, detok, 0, sink
+        self.failed = False  # its output failed: its error went out, nothing more is sent
 
 
 class Engine:
@@ -110,8 +111,8 @@ class Engine:
         self._forward_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixray-forward")
                                 if self.config.enable_overlap else None)
         self._inflight: tuple | None = None
-        self.overlapped_steps = 0
-        self.num_received = 0  # requests that reached the loop (aborted early or not)  # decode batches launched while the previous one still ran
+        self.overlapped_steps = 0  # decode batches launched while the previous one still ran
+        self.num_received = 0  # requests that reached the loop (aborted early or not)
         self._loop_thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -184,68 +185,87 @@ class Engine:
 
     def step(self) -> bool:
         """One scheduler step plus output delivery. Returns whether any work remains."""
-        with self._step_lock:
+        self._step_lock.acquire()
+        try:
             t0 = time.perf_counter()
             self._drain_inbox()
             touched = self._overlap_step() if self._forward_thread is not None else self.scheduler.step()
             more = self.scheduler.has_work() or self._inflight is not None
             outputs = self.take_outputs(touched)
-        self.send_outputs(outputs)  # detokenization runs off the step lock
+            self._emit_lock.acquire()  # before the step lock goes: deliveries keep step order
+        finally:
+            self._step_lock.release()
+        try:
+            self.send_outputs(outputs)  # detokenization runs off the step lock
+        finally:
+            self._emit_lock.release()
         if self.scheduler.last_mode is not None:
             self.step_seconds[self.scheduler.last_mode] += time.perf_counter() - t0
             self.step_count[self.scheduler.last_mode] += 1
         return more
 
     # ---- output ---------------------------------------------------------------------------
-    def take_outputs(self, touched: list[Req]) -> list[tuple[_Tracker, StreamDelta]]:
-        """Under the step lock: what each touched request got this step (text still to add).
-        Also takes the emit lock, which send_outputs releases: steps deliver in step order."""
-        out = []
+    def take_outputs(self, touched: list[Req]) -> list[tuple[_Tracker, StreamDelta | Exception]]:
+        """Under the step lock: what each touched request got this step (text still to add), or
+        the error that building it raised. Trackers change only here and in the inbox drain,
+        both under the step lock. A sink must not call step(): deliveries hold the emit lock."""
+        out: list[tuple[_Tracker, StreamDelta | Exception]] = []
         for req in touched:
             tr = self._trackers.get(req.rid)
             if tr is None:
                 continue
-            new = req.output_ids[tr.sent_tokens:]
-            finished = req.finished()
-            if not (new or finished):
+            try:
+                delta = self._new_delta(req, tr)
+            except Exception as e:  # this request's output is broken: it alone ends
+                delta = e
+            if delta is None:
                 continue
-            logprobs = None
-            if req.sampling_params.logprobs:
-                logprobs = [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, req.output_logprobs[tr.sent_tokens:])]
-            tr.sent_tokens = len(req.output_ids)
-            reason = req.finished_reason
-            out.append((tr, StreamDelta(
-                rid=req.rid, text="", token_ids=new, finish_reason=reason.kind if finished else None,
-                prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
-                cached_tokens=req.cached_tokens, logprobs=logprobs,
-                error=reason.message if finished and reason.kind == "abort" else None,
-                error_kind=reason.error_kind if finished else None)))
-            if finished:
-                del self._trackers[req.rid]
-        self._emit_lock.acquire()
+            if isinstance(delta, Exception) or delta.finish_reason is not None:
+                self._trackers.pop(req.rid, None)
+            out.append((tr, delta))
         return out
 
-    def send_outputs(self, outputs: list[tuple[_Tracker, StreamDelta]]) -> None:
-        """Detokenize and deliver what take_outputs took; releases the emit lock."""
-        try:
-            for tr, delta in outputs:
-                try:
-                    delta.text = tr.detok.step(delta.token_ids, delta.finish_reason is not None)
-                    tr.sink(delta)
-                except Exception as e:  # this request's output failed (detokenizer, sink): end it alone
-                    self._fail_output(tr, delta, e)
-        finally:
-            self._emit_lock.release()
+    def _new_delta(self, req: Req, tr: _Tracker) -> StreamDelta | None:
+        new = req.output_ids[tr.sent_tokens:]
+        finished = req.finished()
+        if not (new or finished) or tr.failed:
+            return None
+        logprobs = None
+        if req.sampling_params.logprobs:
+            logprobs = [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, req.output_logprobs[tr.sent_tokens:])]
+        tr.sent_tokens = len(req.output_ids)
+        reason = req.finished_reason
+        return StreamDelta(
+            rid=req.rid, text="", token_ids=new, finish_reason=reason.kind if finished else None,
+            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens, logprobs=logprobs,
+            error=reason.message if finished and reason.kind == "abort" else None,
+            error_kind=reason.error_kind if finished else None)
 
-    def _fail_output(self, tr: _Tracker, delta: StreamDelta, error: Exception) -> None:
-        log.exception("output of request %s failed", delta.rid)
-        if delta.finish_reason is None:  # still generating: stop it (through the inbox, as any abort)
-            self._trackers.pop(delta.rid, None)
-            self.abort(delta.rid, "output failed", "engine_error")
+    def send_outputs(self, outputs: list[tuple[_Tracker, StreamDelta | Exception]]) -> None:
+        """Detokenize and deliver what take_outputs took (the caller holds the emit lock)."""
+        for tr, delta in outputs:
+            if tr.failed:
+                continue
+            if isinstance(delta, Exception):
+                self._fail_output(tr, delta)
+                continue
+            try:
+                delta.text = tr.detok.step(delta.token_ids, delta.finish_reason is not None)
+                tr.sink(delta)
+            except Exception as e:  # this request's output failed (detokenizer, sink): end it alone
+                self._fail_output(tr, e)
+
+    def _fail_output(self, tr: _Tracker, error: Exception) -> None:
+        rid = tr.req.rid
+        log.error("output of request %s failed", rid, exc_info=error)
+        tr.failed = True
+        if not tr.req.finished():  # still generating: stop it (through the inbox, as any abort)
+            self.abort(rid, "output failed", "engine_error")
         try:
             tr.sink(self._error_delta(tr.req, f"engine error: {type(error).__name__}: {error}", "engine_error"))
         except Exception:
-            log.exception("could not report the failure of request %s", delta.rid)
+            log.exception("could not report the failure of request %s", rid)
 
     # ---- overlap scheduling ---------------------------------------------------------------
     def _overlap_step(self) -> list[Req]:
