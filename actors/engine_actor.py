@@ -196,6 +196,3 @@ class EngineActor:
             await asyncio.sleep(0.02)
         self.engine.check_memory()
         return self.engine.stats()
-
-    def pid(self) -> int:
-        return os.getpid()

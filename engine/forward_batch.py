@@ -80,22 +80,18 @@ class ForwardBatch:
     # === Built here ===
     positions: torch.Tensor  # [num_tokens]
     extend_seq_lens: torch.Tensor | None = None  # [bs] new tokens per request (extend modes)
-    extend_prefix_lens: torch.Tensor | None = None
     extend_start_loc: torch.Tensor | None = None  # [bs] offset of each request's first new token
     # CPU copies, so attention metadata needs no device sync.
     seq_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
-    extend_prefix_lens_cpu: list[int] | None = None
     # Index of each request's last token in the flat token dim: where logits are taken.
     last_token_indices: torch.Tensor | None = None
-    # Attention-DP: every rank's token count this step (agreed in-band); None when alone.
-    global_num_tokens: list[int] | None = None
 
     def resolve_forward_inputs(self, device: torch.device) -> None:
         """Copy the host-staged inputs to the device, on the current (forward) stream. The
         scheduler never waits for these copies; on the CPU this does nothing."""
-        for name in ("input_ids", "seq_lens", "positions", "extend_seq_lens", "extend_prefix_lens",
-                     "extend_start_loc", "last_token_indices"):
+        for name in ("input_ids", "seq_lens", "positions", "extend_seq_lens", "extend_start_loc",
+                     "last_token_indices"):
             t = getattr(self, name)
             if t is not None and t.device != device:
                 setattr(self, name, t.to(device, non_blocking=True))
@@ -131,9 +127,8 @@ class ForwardBatch:
                 acc += n
             # Built on the host; resolve_forward_inputs moves them (a no-op on the CPU).
             fb.positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, ext)])
-            fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu = ext, prefix
+            fb.extend_seq_lens_cpu = ext
             fb.extend_seq_lens = torch.tensor(ext)
-            fb.extend_prefix_lens = torch.tensor(prefix)
             fb.extend_start_loc = torch.tensor(starts)
             fb.last_token_indices = torch.tensor([s + n - 1 for s, n in zip(starts, ext)])
         return fb

@@ -69,7 +69,6 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.q_size = cfg.num_attention_heads * cfg.head_dim
-        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         # Attention-DP hook: set by the DP layer to gather/scatter hidden states around the MLP.
         self.mlp_comm = None

@@ -53,7 +53,6 @@ class Tokenizer:
             template = open(jinja_file).read()
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.has_chat_template = template is not None
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         self._template = env.from_string(template or FALLBACK_CHAT_TEMPLATE)
