@@ -104,6 +104,10 @@ def bearer_ok(request: Request, api_key: str | None) -> bool:
     return hmac.compare_digest(token.encode(), api_key.encode())
 
 
+class ClientDisconnected(Exception):
+    """The client of a request went away while it was generating."""
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """Closes its body generator however the response ends. When the client disconnects while
     a chunk is being sent, Starlette abandons the generator suspended at its `yield`, and its
@@ -210,11 +214,21 @@ class OpenAIServer:
             finally:
                 queue.put_nowait((i, None))
 
+        async def watch_client() -> None:
+            """The client's disconnect, read from the connection itself: Serve need not cancel
+            this handler when it happens, and a response blocked in a send never sees it."""
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            queue.put_nowait((-1, None))
+
         tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(inputs)]
+        tasks.append(asyncio.create_task(watch_client()))
         try:
-            live = len(tasks)
+            live = len(inputs)
             while live:
                 i, d = await queue.get()
+                if i < 0:
+                    raise ClientDisconnected(rid)
                 if d is None:
                     live -= 1
                     continue
@@ -333,11 +347,14 @@ class OpenAIServer:
                                      media_type="text/event-stream")
         t0 = time.monotonic()
         per_choice: list[list[StreamDelta]] = [[] for _ in inputs]
-        async with contextlib.aclosing(self._merged(request, rid, inputs, params)) as merged:
-            async for i, d in merged:
-                if not per_choice[i] and d.token_ids:
-                    self.metrics.ttft.observe(time.monotonic() - t0)
-                per_choice[i].append(d)
+        try:
+            async with contextlib.aclosing(self._merged(request, rid, inputs, params)) as merged:
+                async for i, d in merged:
+                    if not per_choice[i] and d.token_ids:
+                        self.metrics.ttft.observe(time.monotonic() - t0)
+                    per_choice[i].append(d)
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it
         finals = [c[-1] for c in per_choice]
         for c in per_choice:
             self._record(c)
@@ -375,42 +392,45 @@ class OpenAIServer:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         last_write = time.monotonic()
-        async with contextlib.aclosing(self._merged(request, rid, inputs, params)) as merged:
-            async for i, d in merged:
-                per_choice[i].append(d)
-                now = time.monotonic()
-                if d.token_ids:
-                    if i in last_token_at:
-                        self.metrics.itl.observe(now - last_token_at[i])
+        try:
+            async with contextlib.aclosing(self._merged(request, rid, inputs, params)) as merged:
+                async for i, d in merged:
+                    per_choice[i].append(d)
+                    now = time.monotonic()
+                    if d.token_ids:
+                        if i in last_token_at:
+                            self.metrics.itl.observe(now - last_token_at[i])
+                        else:
+                            self.metrics.ttft.observe(now - t0)
+                        last_token_at[i] = now
+                    if d.error:  # after the 200: the text it still carries, an error event, a finish_reason
+                        if d.text:
+                            part = {"index": i, "logprobs": None, "finish_reason": None}
+                            yield chunk([{**part, "delta": {"content": d.text}} if chat else {**part, "text": d.text}])
+                        _, type_ = ERROR_STATUS.get(d.error_kind or "engine_error", (500, "server_error"))
+                        yield b"data: " + msgspec.json.encode({"error": {
+                            "message": d.error, "type": type_, "param": None, "code": d.error_kind}}) + b"\n\n"
+                        finish = {"index": i, "logprobs": None, "finish_reason": d.finish_reason}
+                        yield chunk([{**finish, "delta": {}} if chat else {**finish, "text": ""}])
+                        continue
+                    if not d.text and d.finish_reason is None:
+                        # Tokens with no visible text send nothing; an SSE comment now and then keeps the
+                        # connection written to, which is how a client disconnect gets noticed (then the
+                        # request is aborted). Clients ignore comment lines.
+                        if now - last_write > SSE_KEEPALIVE_S:
+                            last_write = now
+                            yield b": keep-alive\n\n"
+                        continue
+                    last_write = now
+                    lp = self._logprobs([d], chat)
+                    if chat:
+                        c = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                             "finish_reason": d.finish_reason}
                     else:
-                        self.metrics.ttft.observe(now - t0)
-                    last_token_at[i] = now
-                if d.error:  # after the 200: the text it still carries, an error event, a finish_reason
-                    if d.text:
-                        part = {"index": i, "logprobs": None, "finish_reason": None}
-                        yield chunk([{**part, "delta": {"content": d.text}} if chat else {**part, "text": d.text}])
-                    _, type_ = ERROR_STATUS.get(d.error_kind or "engine_error", (500, "server_error"))
-                    yield b"data: " + msgspec.json.encode({"error": {
-                        "message": d.error, "type": type_, "param": None, "code": d.error_kind}}) + b"\n\n"
-                    finish = {"index": i, "logprobs": None, "finish_reason": d.finish_reason}
-                    yield chunk([{**finish, "delta": {}} if chat else {**finish, "text": ""}])
-                    continue
-                if not d.text and d.finish_reason is None:
-                    # Tokens with no visible text send nothing; an SSE comment now and then keeps the
-                    # connection written to, which is how a client disconnect gets noticed (then the
-                    # request is aborted). Clients ignore comment lines.
-                    if now - last_write > SSE_KEEPALIVE_S:
-                        last_write = now
-                        yield b": keep-alive\n\n"
-                    continue
-                last_write = now
-                lp = self._logprobs([d], chat)
-                if chat:
-                    c = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                         "finish_reason": d.finish_reason}
-                else:
-                    c = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-                yield chunk([c])
+                        c = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+                    yield chunk([c])
+        except ClientDisconnected:
+            return  # the client is gone: nothing more to write
         for c in per_choice:
             if c:
                 self._record(c)
