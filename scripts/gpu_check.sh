@@ -2,12 +2,17 @@
 # One prepared GPU check (no network needed; a few minutes on one GPU): the `gpu` tests (CUDA
 # parity in bf16 and fp32, Triton kernels on the device, CUDA-graph replay vs eager, overlap on
 # CUDA) and the graph / roofline micro-benchmark. Record its output in docs/BENCHMARKS.md.
-#   bash scripts/gpu_check.sh [OUT_DIR]
+#   bash scripts/gpu_check.sh [OUT_DIR]     (after `bash scripts/gpu_wheels.sh` here; carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp}}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+# Wheels that machine lacks (msgspec, pytest), fetched here by scripts/gpu_wheels.sh and carried.
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" || exit 2
+fi
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
 # gpu-marked tests, then the kernel tests (on the device when CUDA is there).
 timeout 240 python3 -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/test_cuda_graph.py \
