@@ -112,32 +112,23 @@ class DPLoop:
             self.on_fatal(e)
 
     def _wave(self) -> None:
+        while self.engine.run_locked(self._lock_step):
+            pass
+
+    def _lock_step(self) -> tuple[list, bool]:
+        """One lock-step of the group; returns (touched requests, whether the wave goes on)."""
         eng, sched = self.engine, self.engine.scheduler
-        while True:
-            eng._step_lock.acquire()
-            try:
-                eng._drain_inbox()
-                aborted, batch = sched.schedule()
-                local = batch.input_ids.shape[0] if batch is not None else 0
-                counts = self.comm.all_gather_ints([local, int(eng.has_pending() or bool(aborted))])
-                ended = not any(n or busy for n, busy in counts)
-                if ended:  # every member is out of work: the wave ends for all at once
-                    touched = sched.execute(None, aborted)
-                else:
-                    self.comm.counts = [n for n, _ in counts]
-                    if sum(self.comm.counts) == 0:  # work waits (e.g. for KV) but no tokens: no forward
-                        touched = sched.execute(None, aborted)
-                        time.sleep(0.001)
-                    else:
-                        touched = sched.execute(batch if batch is not None else sched.idle_batch(), aborted)
-                    self.steps += 1
-                outputs = eng.take_outputs(touched)
-                eng._emit_lock.acquire()  # before the step lock goes: deliveries keep step order
-            finally:
-                eng._step_lock.release()
-            try:
-                eng.send_outputs(outputs)
-            finally:
-                eng._emit_lock.release()
-            if ended:
-                return
+        eng._drain_inbox()
+        aborted, batch = sched.schedule()
+        local = batch.input_ids.shape[0] if batch is not None else 0
+        counts = self.comm.all_gather_ints([local, int(eng.has_pending() or bool(aborted))])
+        if not any(n or busy for n, busy in counts):  # every member is out of work: the wave ends for all
+            return sched.execute(None, aborted), False
+        self.comm.counts = [n for n, _ in counts]
+        if sum(self.comm.counts) == 0:  # work waits (e.g. for KV) but no tokens: no forward
+            touched = sched.execute(None, aborted)
+            time.sleep(0.001)
+        else:
+            touched = sched.execute(batch if batch is not None else sched.idle_batch(), aborted)
+        self.steps += 1
+        return touched, True

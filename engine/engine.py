@@ -185,27 +185,38 @@ class Engine:
 
     def step(self) -> bool:
         """One scheduler step plus output delivery. Returns whether any work remains."""
-        self._step_lock.acquire()
-        try:
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+
+        def schedule_and_run() -> tuple[list[Req], bool]:
             self._drain_inbox()
             touched = self._overlap_step() if self._forward_thread is not None else self.scheduler.step()
-            more = self.scheduler.has_work() or self._inflight is not None
-            outputs = self.take_outputs(touched)
-            self._emit_lock.acquire()  # before the step lock goes: deliveries keep step order
-        finally:
-            self._step_lock.release()
-        try:
-            self.send_outputs(outputs)  # detokenization runs off the step lock
-        finally:
-            self._emit_lock.release()
+            return touched, self.scheduler.has_work() or self._inflight is not None
+
+        more = self.run_locked(schedule_and_run)
         if self.scheduler.last_mode is not None:
             self.step_seconds[self.scheduler.last_mode] += time.perf_counter() - t0
             self.step_count[self.scheduler.last_mode] += 1
         return more
 
+    def run_locked(self, body: Callable[[], tuple[list[Req], Any]]) -> Any:
+        """Run `body` (-> requests it touched, a value to return) under the step lock, then
+        detokenize and deliver their outputs off it. The emit lock is taken before the step
+        lock is released, so deliveries keep step order."""
+        self._step_lock.acquire()
+        try:
+            touched, value = body()
+            outputs = self._take_outputs(touched)
+            self._emit_lock.acquire()
+        finally:
+            self._step_lock.release()
+        try:
+            self._send_outputs(outputs)
+        finally:
+            self._emit_lock.release()
+        return value
+
     # ---- output ---------------------------------------------------------------------------
-    def take_outputs(self, touched: list[Req]) -> list[tuple[_Tracker, StreamDelta | Exception]]:
+    def _take_outputs(self, touched: list[Req]) -> list[tuple[_Tracker, StreamDelta | Exception]]:
         """Under the step lock: what each touched request got this step (text still to add), or
         the error that building it raised. Trackers change only here and in the inbox drain,
         both under the step lock. A sink must not call step(): deliveries hold the emit lock."""
@@ -242,8 +253,8 @@ class Engine:
             error=reason.message if finished and reason.kind == "abort" else None,
             error_kind=reason.error_kind if finished else None)
 
-    def send_outputs(self, outputs: list[tuple[_Tracker, StreamDelta | Exception]]) -> None:
-        """Detokenize and deliver what take_outputs took (the caller holds the emit lock)."""
+    def _send_outputs(self, outputs: list[tuple[_Tracker, StreamDelta | Exception]]) -> None:
+        """Detokenize and deliver what _take_outputs took (the caller holds the emit lock)."""
         for tr, delta in outputs:
             if tr.failed:
                 continue

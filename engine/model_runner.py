@@ -105,12 +105,14 @@ class ModelRunner:
             fb.input_ids = self.future_token_ids[fb.req_pool_indices]
         logits = self.forward(fb)
         if logits is None:
-            return PendingSample(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bool), [])
+            return PendingSample(torch.empty(0, dtype=torch.int64), [])
         next_ids, bad, logprobs = sample_on_device(logits, reqs)
         # Device to device: the next decode batch reads its inputs here, not from the host.
         self.future_token_ids[fb.req_pool_indices] = next_ids
+        # A void row travels to the host as id -1 (SampleResult's convention): no second copy.
+        next_ids = next_ids.masked_fill(bad, -1)
         if self.copy_stream is None:
-            return PendingSample(next_ids, bad, logprobs)
+            return PendingSample(next_ids, logprobs)
         # The ids go to pinned host memory on the copy stream; the scheduler waits on the event
         # only when it processes this batch. Until then the batch's tensors stay referenced, so
         # the caching allocator cannot hand their memory to a later batch while streams read it.
@@ -118,26 +120,22 @@ class ModelRunner:
         with torch.cuda.stream(self.copy_stream):
             host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
             host.copy_(next_ids, non_blocking=True)
-            host_bad = torch.empty(bad.shape, dtype=bad.dtype, pin_memory=True)
-            host_bad.copy_(bad, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return PendingSample(host, host_bad, logprobs, event, keepalive=(fb, logits, next_ids, bad))
+        return PendingSample(host, logprobs, event, keepalive=(fb, logits, next_ids))
 
 
 class PendingSample:
     """Sampled ids on their way to the host (an event marks the end of the copy on CUDA)."""
 
-    __slots__ = ("host_ids", "host_bad", "logprobs", "event", "keepalive")
+    __slots__ = ("host_ids", "logprobs", "event", "keepalive")
 
-    def __init__(self, host_ids: torch.Tensor, host_bad: torch.Tensor, logprobs: list,
-                 event: torch.cuda.Event | None = None, keepalive: tuple | None = None) -> None:
-        self.host_ids, self.host_bad, self.logprobs = host_ids, host_bad, logprobs
-        self.event, self.keepalive = event, keepalive
+    def __init__(self, host_ids: torch.Tensor, logprobs: list, event: torch.cuda.Event | None = None,
+                 keepalive: tuple | None = None) -> None:
+        self.host_ids, self.logprobs, self.event, self.keepalive = host_ids, logprobs, event, keepalive
 
     def resolve(self) -> SampleResult:
         if self.event is not None:
             self.event.synchronize()
         self.keepalive = None
-        bad_rows = self.host_bad.nonzero().flatten().tolist() if self.host_bad.numel() else []
-        return SampleResult(next_token_ids=self.host_ids.tolist(), logprobs=self.logprobs, bad_rows=bad_rows)
+        return SampleResult(next_token_ids=self.host_ids.tolist(), logprobs=self.logprobs)

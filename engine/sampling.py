@@ -43,12 +43,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             v = getattr(self, name)
             if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
                 raise InvalidRequestError(f"{name} has the wrong type: {type(v).__name__}", name)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be integers", "stop_token_ids")
-        for name, kinds in _FIELD_KINDS.items():
-            v = getattr(self, name)
             if float in kinds and not _is_finite(v):
                 raise InvalidRequestError(f"{name} must be a finite number, got {v}", name)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be integers", "stop_token_ids")
         if 0.0 < self.temperature < TEMPERATURE_EPS:
             msgspec.structs.force_setattr(self, "temperature", 0.0)
         if self.seed is not None:  # any integer seeds a 64-bit generator
@@ -99,11 +97,10 @@ _FIELD_KINDS: dict[str, tuple[type, ...]] = {
 
 
 class SampleResult(msgspec.Struct):
+    # -1 for a void row (its logits or probabilities were not finite): that request fails.
     next_token_ids: list[int]
     # Per row, None unless the request asked: (chosen logprob, [(token, logprob), ...] top-N).
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
-    # Rows whose logits or probabilities were not finite: their token is void, the request fails.
-    bad_rows: list[int] = []
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],

@@ -94,6 +94,7 @@ class Scheduler:
 
     def _handle_aborts(self) -> list[Req]:
         ended, pending, self.pending_aborts = [], self.pending_aborts, []
+        admitted = False
         for req in pending:  # only the marked requests: no scan of the request table each step
             if req.finished():
                 continue
@@ -102,12 +103,14 @@ class Scheduler:
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
             else:
+                admitted = True
                 if req is self.chunked_req:
                     self.chunked_req = None
-                self._drop_finished_from_running()
                 if req.req_pool_idx is not None:
                     self.tree_cache.cache_finished_req(req)
             ended.append(req)
+        if admitted:
+            self._drop_finished_from_running()
         return ended
 
     # ---- one step --------------------------------------------------------------------------
@@ -309,11 +312,10 @@ class Scheduler:
             return []
         touched, still_running = [], []
         decoding = batch.decoding_reqs
-        bad_rows = set(result.bad_rows)
         for i, req in enumerate(batch.reqs):
             if req.finished():  # overlap: it finished one step earlier; this extra token is void
                 continue
-            if i in bad_rows:
+            if result.next_token_ids[i] < 0:
                 touched += self.fail_reqs([req], "the model produced non-finite logits or "
                                                  "probabilities for this request")
                 continue

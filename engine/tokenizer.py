@@ -151,9 +151,10 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         if finished:  # one full decode: the deltas add up to exactly the final text
             final, sent = self.final_text(), "".join(self.sent)
-            delta = final[len(sent):] if final.startswith(sent) else ""
-            self.sent = [final] if final.startswith(sent) else self.sent
-            return delta
+            if not final.startswith(sent):
+                return ""
+            self.sent = [final]
+            return final[len(sent):]
         if self.stopped:
             return ""
         pending = self.held + self._new_text()
