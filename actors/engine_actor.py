@@ -15,6 +15,7 @@ import ray
 
 from actors.protocol import EngineInfo, decode_request, encode, encode_batch
 from engine import Engine, EngineConfig, InvalidRequestError, StreamDelta
+from engine.cache_manager import KVEvent
 from engine.logs import log_to_stderr
 
 MAX_PENDING_EVICTIONS = 4096
@@ -37,7 +38,7 @@ class EngineActor:
         self.engine = Engine(EngineConfig.from_kwargs(**engine_config), mlp_shard=shard)
         # Evicted radix paths, for the router's cache-aware tree (drained by heartbeat()).
         self._evicted: deque[list[int]] = deque(maxlen=MAX_PENDING_EVICTIONS)
-        self.engine.scheduler.tree_cache.on_evict.append(self._evicted.append)
+        self.engine.scheduler.cache.subscribe(self._on_kv_event)
         # Multiplexed output channel (see outputs()): deltas of every request, drained per yield.
         self._outbox: list[StreamDelta] = []
         self._outbox_lock = threading.Lock()
@@ -126,6 +127,10 @@ class EngineActor:
         finally:
             if not finished:  # the caller went away (cancelled, disconnected): free its KV
                 self.engine.abort(req.rid, "caller went away")
+
+    def _on_kv_event(self, event: KVEvent) -> None:
+        if event.kind == "removed":
+            self._evicted.append(event.token_ids)
 
     def _to_outbox(self, delta: StreamDelta) -> None:
         """Engine-thread sink: one wake-up per burst of deltas, not one per delta."""

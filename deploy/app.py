@@ -198,7 +198,6 @@ class OpenAIServer:
         """Stream several prompts at once: (choice index, delta) as they come."""
         queue: asyncio.Queue = asyncio.Queue()
         rids = [f"{rid}-{i}" for i in range(len(inputs))]
-        ended = [False] * len(inputs)
 
         async def pump(i: int, ids: list[int]) -> None:
             """Every choice ends with a final delta, whatever stream_ids does."""
@@ -233,7 +232,6 @@ class OpenAIServer:
                     live -= 1
                     continue
                 if d.finish_reason is not None:
-                    ended[i] = True
                     if d.error:
                         log.warning("request %s ended with an error (%s): %s", rids[i], d.error_kind, d.error)
                 yield i, d
@@ -243,10 +241,11 @@ class OpenAIServer:
             # its engine (stream_ids has no await that could swallow the cancellation).
             for t in tasks:
                 t.cancel()
-            for i, done in enumerate(ended):
-                if not done:
-                    self.metrics.requests["aborted"] += 1
-                    log.info("request %s aborted: the client went away", rids[i])
+
+    def _client_left(self, rid: str, choices: int) -> None:
+        """Every choice of a request whose client went away before its response counts as aborted."""
+        self.metrics.requests["aborted"] += choices
+        log.info("request %s aborted: the client went away", rid)
 
     def _record(self, deltas: list[StreamDelta]) -> None:
         last = deltas[-1]
@@ -354,7 +353,11 @@ class OpenAIServer:
                         self.metrics.ttft.observe(time.monotonic() - t0)
                     per_choice[i].append(d)
         except ClientDisconnected:
+            self._client_left(rid, len(inputs))
             return Response(status_code=499)  # nobody reads it
+        except BaseException:  # cancelled: the client timed out or went away
+            self._client_left(rid, len(inputs))
+            raise
         finals = [c[-1] for c in per_choice]
         for c in per_choice:
             self._record(c)
@@ -392,6 +395,7 @@ class OpenAIServer:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         last_write = time.monotonic()
+        completed = False
         try:
             async with contextlib.aclosing(self._merged(request, rid, inputs, params)) as merged:
                 async for i, d in merged:
@@ -429,8 +433,12 @@ class OpenAIServer:
                     else:
                         c = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
                     yield chunk([c])
+            completed = True
         except ClientDisconnected:
             return  # the client is gone: nothing more to write
+        finally:
+            if not completed:
+                self._client_left(rid, len(inputs))
         for c in per_choice:
             if c:
                 self._record(c)

@@ -103,9 +103,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """The parts of an HF `config.json` a Llama-family model needs."""
+    """The parts of an HF `config.json` the registered models (engine/models) need."""
 
-    architecture: str
+    architecture: str  # architectures[0]: the engine.models registry key
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -137,11 +137,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_hf(cls, hf: dict, generation_eos: tuple[int, ...] = ()) -> ModelConfig:
+        from engine.models import model_class  # lazily: the models import this module
+
         arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+        model_class(arch)  # an unknown architecture: ConfigError naming the supported ones
         model_type = hf.get("model_type", "llama")
-        supported = ("llama", "mistral", "qwen2", "qwen3")
-        if model_type not in supported:
-            raise ConfigError(f"model_type {model_type!r} is not supported (supported: {supported})")
         rope = hf.get("rope_parameters") or {}
         rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)

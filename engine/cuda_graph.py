@@ -4,8 +4,10 @@ A ladder of batch sizes is captured once, largest first, sharing one memory pool
 batch is padded to the next captured size: padded rows use request row 0 (all slot 0), a
 sequence length of 1 and KV slot 0 (reserved, never handed out), so they attend to and write
 nothing that matters; their logits are sliced off. Prefill, MIXED and batches larger than the
-ladder run eagerly. The attention backend must be graph-safe (no host sync, no shape that
-depends on values): "triton" is; the torch backend's gather is not.
+ladder run eagerly. The attention backend must be graph-safe (`graph_safe`: no host sync, no
+shape that depends on values); its hooks own the attention metadata the graphs read
+(`init_cuda_graph_state` once, `capture_metadata` per captured size, `replay_metadata` before
+each replay), so this runner knows no backend by name.
 
 The ladder and the padding are plain functions, tested on the CPU; capture and replay need CUDA."""
 
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import graph_safe_backends
+from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -61,6 +65,10 @@ class CudaGraphRunner:
     def __init__(self, model_runner, max_bs: int) -> None:
         if model_runner.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
+        attn = model_runner.attn_backend
+        if not attn.graph_safe:
+            raise ConfigError(f"attention backend {attn.name!r} is not graph-safe; CUDA graphs need one of "
+                              f"{', '.join(graph_safe_backends())} (or disable_cuda_graph=True)")
         self.runner = model_runner
         self.ladder = capture_ladder(max_bs)
         dev = model_runner.device
@@ -68,6 +76,9 @@ class CudaGraphRunner:
         # Static inputs the graphs read; replay copies a batch into their first rows.
         self.static = PaddedDecode(*(torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(5)))
         self.static.seq_lens.fill_(1)
+        attn.init_cuda_graph_state(n)
+        # The batch each graph was captured with: static tensors and the backend's metadata.
+        self.batches: dict[int, ForwardBatch] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -86,7 +97,8 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream()
         for size in reversed(self.ladder):  # largest first: the shared pool fits every smaller graph
             fb = self._fb(size)
-            attn.init_forward_metadata(fb)
+            fb.attn_metadata = attn.capture_metadata(fb)
+            self.batches[size] = fb
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up (Triton autotune, allocator) outside the capture
                     model.forward(fb, attn)
@@ -106,5 +118,9 @@ class CudaGraphRunner:
         padded = pad_decode(fb, size)
         for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
             getattr(self.static, name)[:size].copy_(getattr(padded, name), non_blocking=True)
+        captured = self.batches[size]
+        captured.seq_lens_cpu = (list(fb.seq_lens_cpu) + [1] * (size - fb.batch_size)
+                                 if fb.seq_lens_cpu is not None else None)
+        self.runner.attn_backend.replay_metadata(captured)
         self.graphs[size].replay()
         return self.outputs[size][:fb.batch_size]

@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 
 from engine.engine import Engine
+from engine.req import Req
+from engine.schedule_batch import ScheduleBatch
+from engine.scheduler import Scheduler, StepStrategy
 
 
 class DPComm:
@@ -44,7 +47,7 @@ class DPComm:
         self._wait(self.pg.allgather([outs], [t]))
         return [o.tolist() for o in outs]
 
-    # ---- LlamaModel.mlp_comm hooks ------------------------------------------------------
+    # ---- the model's mlp_comm hooks ------------------------------------------------------
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[T_local, H] -> every member's tokens [sum T, H], in rank order (padded exchange)."""
         longest = max(self.counts)
@@ -63,8 +66,33 @@ class DPComm:
         return y[start:start + self.counts[self.rank]]
 
 
+class DPLockStep(StepStrategy):
+    """The step strategy of a group member: after scheduling, the group agrees on every member's
+    token count; a member with nothing to run joins the forward with an IDLE batch (its MLP
+    collectives need every member), and the wave ends when no member has work."""
+
+    def __init__(self, comm: DPComm, has_pending: Callable[[], bool]) -> None:
+        self.comm = comm
+        self.has_pending = has_pending
+        self.wave_on = False
+
+    def sync(self, sched: Scheduler, batch: ScheduleBatch | None, touched: list[Req]) -> ScheduleBatch | None:
+        local = batch.input_ids.shape[0] if batch is not None else 0
+        counts = self.comm.all_gather_ints([local, int(self.has_pending() or bool(touched))])
+        self.wave_on = any(n or busy for n, busy in counts)
+        self.comm.counts = [n for n, _ in counts]
+        if sum(self.comm.counts) == 0:  # no member has tokens (work may wait for KV): no forward
+            if self.wave_on:
+                time.sleep(0.001)
+            return None
+        return batch if batch is not None else sched.idle_batch()
+
+    def again(self, sched: Scheduler) -> bool:
+        return self.wave_on
+
+
 class DPLoop:
-    """The engine loop of one attention-DP member."""
+    """The engine loop of one attention-DP member: waves of lock-steps."""
 
     def __init__(self, engine: Engine, comm: DPComm, request_wave: Callable[[], None],
                  on_fatal: Callable[[BaseException], None]) -> None:
@@ -73,6 +101,7 @@ class DPLoop:
         self.on_fatal = on_fatal
         engine.model_runner.model.mlp_comm = comm
         engine.scheduler.isolate_batch_failures = False
+        engine.strategy = DPLockStep(comm, engine.has_pending)
         self._cv = threading.Condition()
         self.signalled = 0  # waves the coordinator announced
         self.waves = 0  # waves this member has run
@@ -105,30 +134,10 @@ class DPLoop:
                     self._asked = False
                 if self.engine._stopping:
                     return
-                self._wave()
+                while self.engine.step():  # one wave: lock-steps until no member has work
+                    self.steps += 1
+                self.steps += 1
                 self.waves += 1
         except BaseException as e:  # a dead peer (collective timeout) or a bug: fail loudly
             self.engine.dead = e
             self.on_fatal(e)
-
-    def _wave(self) -> None:
-        while self.engine.run_locked(self._lock_step):
-            pass
-
-    def _lock_step(self) -> tuple[list, bool]:
-        """One lock-step of the group; returns (touched requests, whether the wave goes on)."""
-        eng, sched = self.engine, self.engine.scheduler
-        eng._drain_inbox()
-        aborted, batch = sched.schedule()
-        local = batch.input_ids.shape[0] if batch is not None else 0
-        counts = self.comm.all_gather_ints([local, int(eng.has_pending() or bool(aborted))])
-        if not any(n or busy for n, busy in counts):  # every member is out of work: the wave ends for all
-            return sched.execute(None, aborted), False
-        self.comm.counts = [n for n, _ in counts]
-        if sum(self.comm.counts) == 0:  # work waits (e.g. for KV) but no tokens: no forward
-            touched = sched.execute(None, aborted)
-            time.sleep(0.001)
-        else:
-            touched = sched.execute(batch if batch is not None else sched.idle_batch(), aborted)
-        self.steps += 1
-        return touched, True

@@ -28,7 +28,7 @@ from engine.inputs import InputProcessor
 from engine.model_runner import ModelRunner
 from engine.req import Req
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import OverlapStep, Scheduler, StepStrategy
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("radixray.engine")
@@ -107,11 +107,10 @@ class Engine:
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._step_lock = threading.Lock()
         self._emit_lock = threading.Lock()
-        # Overlap: one forward thread (on CUDA it would own the forward stream), and the batch in flight.
-        self._forward_thread = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixray-forward")
-                                if self.config.enable_overlap else None)
-        self._inflight: tuple | None = None
-        self.overlapped_steps = 0  # decode batches launched while the previous one still ran
+        # How a step runs its batch (attention-DP installs its lock-step strategy instead).
+        self.strategy: StepStrategy = StepStrategy()
+        if self.config.enable_overlap:  # one forward thread (on CUDA it would own the forward stream)
+            self.strategy = OverlapStep(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixray-forward"))
         self.num_received = 0  # requests that reached the loop (aborted early or not)
         self._loop_thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -181,30 +180,18 @@ class Engine:
 
     def has_pending(self) -> bool:
         """Work queued or in flight (the inbox counts: a request may not be drained yet)."""
-        return self.scheduler.has_work() or not self._inbox.empty() or self._inflight is not None
+        return self.scheduler.has_work() or not self._inbox.empty() or self.scheduler.inflight is not None
 
     def step(self) -> bool:
-        """One scheduler step plus output delivery. Returns whether any work remains."""
+        """One step of the loop: drain the inbox, let the scheduler run one step with this
+        engine's strategy, then detokenize and deliver outputs. Returns whether to step again
+        at once. Outputs are delivered off the step lock, but the emit lock is taken before the
+        step lock is released, so deliveries keep step order."""
         t0 = time.perf_counter()
-
-        def schedule_and_run() -> tuple[list[Req], bool]:
-            self._drain_inbox()
-            touched = self._overlap_step() if self._forward_thread is not None else self.scheduler.step()
-            return touched, self.scheduler.has_work() or self._inflight is not None
-
-        more = self.run_locked(schedule_and_run)
-        if self.scheduler.last_mode is not None:
-            self.step_seconds[self.scheduler.last_mode] += time.perf_counter() - t0
-            self.step_count[self.scheduler.last_mode] += 1
-        return more
-
-    def run_locked(self, body: Callable[[], tuple[list[Req], Any]]) -> Any:
-        """Run `body` (-> requests it touched, a value to return) under the step lock, then
-        detokenize and deliver their outputs off it. The emit lock is taken before the step
-        lock is released, so deliveries keep step order."""
         self._step_lock.acquire()
         try:
-            touched, value = body()
+            self._drain_inbox()
+            touched, more = self.scheduler.step(self.strategy)
             outputs = self._take_outputs(touched)
             self._emit_lock.acquire()
         finally:
@@ -213,7 +200,10 @@ class Engine:
             self._send_outputs(outputs)
         finally:
             self._emit_lock.release()
-        return value
+        if self.scheduler.last_mode is not None:
+            self.step_seconds[self.scheduler.last_mode] += time.perf_counter() - t0
+            self.step_count[self.scheduler.last_mode] += 1
+        return more
 
     # ---- output ---------------------------------------------------------------------------
     def _take_outputs(self, touched: list[Req]) -> list[tuple[_Tracker, StreamDelta | Exception]]:
@@ -277,43 +267,6 @@ class Engine:
             tr.sink(self._error_delta(tr.req, f"engine error: {type(error).__name__}: {error}", "engine_error"))
         except Exception:
             log.exception("could not report the failure of request %s", rid)
-
-    # ---- overlap scheduling ---------------------------------------------------------------
-    def _overlap_step(self) -> list[Req]:
-        """Schedule decode batch N+1 while batch N runs on the forward thread, then process N's
-        results. Everything else (prefill, aborts, retraction, penalties) runs synchronously:
-        those need batch N's results first."""
-        sched, touched = self.scheduler, []
-        if self._inflight is not None and not self._can_overlap():
-            touched += self._finish_inflight()
-        sched.future_inputs = self._inflight is not None
-        aborted, batch = sched.schedule()
-        sched.future_inputs = False
-        touched += aborted
-        if batch is not None and batch.forward_mode.is_decode():
-            self.overlapped_steps += self._inflight is not None
-            wait = sched.launch_batch(batch, self._forward_thread)
-            touched += self._finish_inflight()  # batch N's results, while N+1 runs
-            self._inflight = (batch, wait)
-        else:
-            touched += self._finish_inflight()
-            if batch is not None:
-                touched += sched.complete(batch, sched.launch_batch(batch, self._forward_thread))
-        return sched.execute(None, touched)
-
-    def _can_overlap(self) -> bool:
-        s = self.scheduler
-        running = s.running_batch.reqs
-        return not (s.waiting_queue or s.chunked_req or s.pending_aborts
-                    or any(r.sampling_params.has_penalties for r in running)
-                    or s.allocator.available_size() + s.tree_cache.evictable_size() < 2 * len(running) + 2)
-
-    def _finish_inflight(self) -> list[Req]:
-        if self._inflight is None:
-            return []
-        batch, wait = self._inflight
-        self._inflight = None
-        return self.scheduler.complete(batch, wait)
 
     def _error_delta(self, req: Req, message: str, kind: ErrorKind) -> StreamDelta:
         return StreamDelta(rid=req.rid, text="", token_ids=[], finish_reason="abort",
@@ -427,9 +380,9 @@ class Engine:
         return {
             "waiting": len(s.waiting_queue) + (1 if s.chunked_req else 0),
             "running": len(s.running_batch.reqs),
-            "kv_used": s.allocator.size - s.allocator.available_size() - s.tree_cache.evictable_size(),
-            "kv_total": s.allocator.size,
-            "kv_cached": s.tree_cache.evictable_size() + s.tree_cache.protected_size(),
+            "kv_used": s.cache.used_size(),
+            "kv_total": s.cache.total_size,
+            "kv_cached": s.cache.cached_size(),
             "cached_tokens": s.cached_tokens,
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
@@ -437,7 +390,7 @@ class Engine:
             "num_aborted": s.num_aborted,
             "num_failed": s.num_failed,
             "num_received": self.num_received,
-            "overlapped_steps": self.overlapped_steps,
+            "overlapped_steps": s.overlapped_steps,
             "batches_by_mode": dict(s.batches_by_mode),
         }
 

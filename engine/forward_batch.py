@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -86,6 +86,9 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] | None = None
     # Index of each request's last token in the flat token dim: where logits are taken.
     last_token_indices: torch.Tensor | None = None
+    # What the attention backend's init_forward_metadata returned for this forward (set by the
+    # model runner before the model runs); the backend's forward reads it from here.
+    attn_metadata: Any = None
 
     def resolve_forward_inputs(self, device: torch.device) -> None:
         """Copy the host-staged inputs to the device, on the current (forward) stream. The

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import torch
 
+from engine.attention import create_attention_backend
 from engine.config import ModelConfig
 from engine.cuda_graph import CudaGraphRunner
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory import KVCache, ReqToTokenPool
-from engine.model import LlamaModel
+from engine.models import model_class
 
 ARCH = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
             num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
@@ -50,16 +51,14 @@ def cuda_time(fn, reps: int = 20) -> float:
 
 
 def main() -> None:
-    from kernels.triton_backend import TritonAttnBackend
-
     dev = torch.device("cuda")
     cfg = ModelConfig.from_hf({**ARCH, "model_type": "llama", "tie_word_embeddings": False})
-    model = LlamaModel(cfg, random_weights(cfg, dev), torch.bfloat16, dev, 4096)
+    model = model_class(cfg.architecture)(cfg, random_weights(cfg, dev), torch.bfloat16, dev, 4096)
     params = model.num_parameters()
     ctx, max_bs = 256, 64
     pool = ReqToTokenPool(max_bs, 4096, dev)
     kv = KVCache(max_bs * ctx + 1, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, dev)
-    attn = TritonAttnBackend(pool, kv, model.scale)
+    attn = create_attention_backend("triton", pool, kv, model.scale, dev)
     # Every request row holds `ctx` cached tokens.
     pool.req_to_token[1:] = torch.arange(1, max_bs * ctx + 1, device=dev, dtype=torch.int32).view(max_bs, ctx)
     runner = SimpleNamespace(model=model, attn_backend=attn, device=dev)
@@ -73,7 +72,7 @@ def main() -> None:
                             positions=seq - 1, seq_lens_cpu=[ctx] * bs, last_token_indices=torch.arange(bs, device=dev))
 
     def eager(fb: ForwardBatch):
-        attn.init_forward_metadata(fb)
+        fb.attn_metadata = attn.init_forward_metadata(fb)
         return model.forward(fb, attn)
 
     buf = torch.empty(1 << 30, dtype=torch.uint8, device=dev)

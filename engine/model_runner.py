@@ -9,9 +9,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
-from engine.model import LlamaModel, load_weights
+from engine.models import build_model
 from engine.sampling import SampleResult, sample_on_device
-from kernels.cpu_linear import use_onednn
+from kernels.cpu_linear import onednn_linear_works
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 256 << 20  # default KV pool on CPU when max_total_tokens is not set
@@ -34,6 +34,19 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
     return _DTYPES.get(model_cfg.torch_dtype.replace("torch.", ""), torch.bfloat16)
 
 
+def use_onednn(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Resolve EngineConfig.linear_backend: 'auto' is oneDNN on the CPU where it works."""
+    if backend == "torch" or device.type != "cpu":
+        if backend == "onednn":
+            raise ConfigError("linear_backend='onednn' is for device='cpu'")
+        return False
+    works = onednn_linear_works(dtype)
+    if backend == "onednn" and not works:
+        raise ConfigError(f"linear_backend='onednn' is unavailable for {dtype} in this torch build "
+                          "(use 'torch' or 'auto')")
+    return works
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, mlp_shard: tuple[int, int] = (0, 1)) -> None:
         self.config = config
@@ -43,9 +56,8 @@ class ModelRunner:
         self.max_context_len = min(config.max_context_len or cfg.max_position_embeddings,
                                    cfg.max_position_embeddings)
         # mlp_shard (rank, world): attention-DP splits every MLP's intermediate dim over the group.
-        self.model = LlamaModel(cfg, load_weights(model_dir), self.dtype, self.device,
-                                self.max_context_len, mlp_shard,
-                                onednn=use_onednn(config.linear_backend, self.device, self.dtype))
+        self.model = build_model(cfg, model_dir, self.dtype, self.device, self.max_context_len, mlp_shard,
+                                 onednn=use_onednn(config.linear_backend, self.device, self.dtype))
         per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                             cfg.head_dim, self.dtype)
         self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)
@@ -62,7 +74,7 @@ class ModelRunner:
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None  # sampled ids -> host
         self.graph_runner = None
         if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1
-                and config.attention_backend == "triton"):  # the torch backend's gather is not graph-safe
+                and self.attn_backend.graph_safe):  # a backend that is not graph-safe runs eagerly
             from engine.cuda_graph import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
@@ -83,7 +95,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             logits = self.graph_runner.replay(fb)
             return None if fb.forward_mode.is_idle() else logits
-        self.attn_backend.init_forward_metadata(fb)
+        fb.attn_metadata = self.attn_backend.init_forward_metadata(fb)
         logits = self.model.forward(fb, self.attn_backend)
         return None if fb.forward_mode.is_idle() else logits
 

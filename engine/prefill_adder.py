@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from engine.memory import TokenToKVPoolAllocator
+from engine.cache_manager import CacheManager
 from engine.req import Req
 
 
@@ -18,30 +18,21 @@ class PrefillAdder:
     """Admits waiting requests under three budgets: KV slots (minus a reserve for the running
     requests' future tokens), prefill tokens per batch, and the chunk size."""
 
-    def __init__(self, tree_cache, allocator: TokenToKVPoolAllocator, running: list[Req],
-                 new_token_ratio: float, max_prefill_tokens: int, chunk_size: int,
-                 mixed_with_decode: bool = False) -> None:
-        self.tree_cache = tree_cache
+    def __init__(self, cache: CacheManager, running: list[Req], new_token_ratio: float,
+                 max_prefill_tokens: int, chunk_size: int, mixed_with_decode: bool = False) -> None:
+        self.cache = cache
         reserve = sum((r.sampling_params.max_new_tokens - len(r.output_ids)) * new_token_ratio for r in running)
         if mixed_with_decode:
             # A MIXED batch adds a one-token extend per running request in this very batch: those
             # slots are needed now, whatever the ratio says (it can round below one slot each).
             reserve = max(reserve, float(len(running)))
-        self.rem_total_tokens = allocator.available_size() + tree_cache.evictable_size() - reserve
+        self.rem_total_tokens = cache.available_size() - reserve
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunk_size
         self.new_token_ratio = new_token_ratio
         self.has_running = bool(running)
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None
-
-    def _lock(self, req: Req) -> None:
-        before = self.tree_cache.evictable_size()
-        self.tree_cache.inc_lock_ref(req.last_node)
-        # Locked prefix slots are no longer evictable: they leave the budget.
-        self._locked_delta = before - self.tree_cache.evictable_size()
-        self.rem_total_tokens -= self._locked_delta
-        req.cache_protected_len = len(req.prefix_indices)
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue a request whose prompt is being prefilled chunk by chunk."""
@@ -64,11 +55,13 @@ class PrefillAdder:
         first = not self.can_run and not self.has_running
         if (ext > self.rem_input_tokens and self.can_run) or self.rem_chunk_tokens <= 0:
             return AddResult.OTHER
-        self._lock(req)  # first: locking its prefix takes those slots out of the budget
+        # First: locking its prefix takes those slots (no longer evictable) out of the budget.
+        locked = self.cache.lock(req)
+        self.rem_total_tokens -= locked
         # The very first request goes in whenever its prompt fits, so progress is guaranteed.
         if min(ext, self.rem_chunk_tokens) + (0 if first else future) > self.rem_total_tokens:
-            self.tree_cache.dec_lock_ref(req.last_node)
-            self.rem_total_tokens += self._locked_delta
+            self.cache.unlock(req)
+            self.rem_total_tokens += locked
             return AddResult.NO_TOKEN
         if ext > self.rem_chunk_tokens:
             req.extend_input_len = self.rem_chunk_tokens

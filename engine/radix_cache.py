@@ -1,21 +1,19 @@
-"""Radix prefix cache over token ids whose nodes own KV slots, and its no-cache twin.
+"""Radix prefix cache over token ids whose nodes own KV slots, and its no-cache twin. Both
+implement engine.cache_manager.PrefixCache; the CacheManager does everything request-related.
 
 Accounting: every slot the tree holds is either evictable (its node has lock_ref 0) or
 protected (some running request locked the node or a descendant). With no request running,
-`allocator.available + evictable + protected == total` must hold: see Scheduler.check_memory.
+`allocator.available + evictable + protected == total` must hold (CacheManager.check_idle).
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
-
-if TYPE_CHECKING:
-    from engine.req import Req
+from engine.memory import TokenToKVPoolAllocator
 
 
 class TreeNode:
@@ -42,14 +40,13 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator) -> None:
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.device = allocator.device
-        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        # Observers of what the tree holds (cache-aware routing); called with token-id lists.
-        self.on_insert: list = []
-        self.on_evict: list = []
+    shares_prefixes = True
+
+    def __init__(self, allocator: TokenToKVPoolAllocator) -> None:
+        self.allocator = allocator  # evicted slots go back here
+        self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)
+        # (kind, token path) of every insert and eviction; set by CacheManager.subscribe.
+        self.on_event: Callable[[str, list[int]], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -107,8 +104,8 @@ class RadixCache:
                 leaf.last_access = now
                 node.children[key[0]] = leaf
                 self._evictable += len(key)
-                for cb in self.on_insert:
-                    cb(full_key)
+                if self.on_event is not None:
+                    self.on_event("stored", list(full_key))
                 break
             child.last_access = now
             n = _common_len(child.key, key)
@@ -143,10 +140,8 @@ class RadixCache:
         evicted = 0
         while heap and evicted < num_tokens:
             leaf = heapq.heappop(heap)
-            if self.on_evict:
-                path = self._path(leaf)
-                for cb in self.on_evict:
-                    cb(path)
+            if self.on_event is not None:
+                self.on_event("removed", self._path(leaf))
             self.allocator.free(leaf.value)
             evicted += len(leaf.key)
             self._evictable -= len(leaf.key)
@@ -174,54 +169,15 @@ class RadixCache:
     def total_tokens(self) -> int:
         return sum(len(n.key) for n in self._nodes())
 
-    # ---- request hooks -------------------------------------------------------------------
-    def _insert_req(self, req: Req) -> torch.Tensor:
-        """Put the request's computed KV into the tree; free its slots the tree already had."""
-        kv_len = req.kv_len
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len].to(torch.int64)
-        have = self.insert(req.fill_ids[:kv_len], slots)
-        if have > req.cache_protected_len:
-            self.allocator.free(slots[req.cache_protected_len:have])
-        return slots
-
-    def cache_finished_req(self, req: Req) -> None:
-        self._insert_req(req)
-        self.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.release_kv_state()
-
-    def release_req(self, req: Req) -> None:
-        """End a failed request without caching: its newest KV may be garbage. Frees the slots
-        the request owns (past the tree's locked prefix), unlocks the prefix, frees the row."""
-        if req.req_pool_idx is not None:
-            own = self.req_to_token_pool.req_to_token[req.req_pool_idx, req.cache_protected_len:req.kv_len]
-            self.allocator.free(own.to(torch.int64))
-            self.req_to_token_pool.free(req.req_pool_idx)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        req.release_kv_state()
-
-    def cache_unfinished_req(self, req: Req) -> None:
-        """After a prefill chunk: cache what is computed and re-lock the request on it."""
-        self._insert_req(req)
-        new_indices, new_node = self.match_prefix(req.fill_ids[:req.kv_len])
-        start = req.cache_protected_len
-        self.req_to_token_pool.write(req.req_pool_idx, start, new_indices[start:])
-        self.inc_lock_ref(new_node)
-        self.dec_lock_ref(req.last_node)
-        req.prefix_indices, req.last_node, req.cache_protected_len = new_indices, new_node, len(new_indices)
-
 
 class NoRadixCache:
-    """`disable_radix_cache=True`: same interface, nothing shared, every slot freed at finish."""
+    """`disable_radix_cache=True`: keeps and shares nothing; every slot is freed at a request's end."""
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator) -> None:
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
+    shares_prefixes = False
+
+    def __init__(self, allocator: TokenToKVPoolAllocator) -> None:
         self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)
-        self.root = None
-        self.on_insert: list = []
-        self.on_evict: list = []
+        self.on_event: Callable[[str, list[int]], None] | None = None  # never called: nothing is stored
 
     def reset(self) -> None:
         pass
@@ -230,7 +186,7 @@ class NoRadixCache:
         return self._empty, None
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
-        return 0
+        return len(key)  # keeps none of it: the caller frees it all
 
     def inc_lock_ref(self, node: None) -> None:
         pass
@@ -249,19 +205,3 @@ class NoRadixCache:
 
     def total_tokens(self) -> int:
         return 0
-
-    def cache_finished_req(self, req: Req) -> None:
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len]
-        self.allocator.free(row.to(torch.int64))
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.release_kv_state()
-
-    def release_req(self, req: Req) -> None:
-        if req.req_pool_idx is not None:
-            self.cache_finished_req(req)
-        req.release_kv_state()
-
-    def cache_unfinished_req(self, req: Req) -> None:
-        # The request keeps its own slots as its "prefix" for the next chunk.
-        req.prefix_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_len].to(torch.int64)
-        req.cache_protected_len = 0

@@ -59,12 +59,6 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def init_next_round_input(self, tree_cache) -> None:
-        """Match the radix cache, leaving at least one token to compute (its logits are needed)."""
-        fill = self.fill_ids
-        self.prefix_indices, self.last_node = tree_cache.match_prefix(fill[:len(fill) - 1])
-        self.extend_input_len = len(fill) - len(self.prefix_indices)
-
     def release_kv_state(self) -> None:
         self.req_pool_idx = None
         self.kv_len = 0

@@ -1,25 +1,19 @@
-"""ScheduleBatch: the scheduler's container of Reqs; turns them into tensors and allocates KV."""
+"""ScheduleBatch: the scheduler's container of Reqs; turns them into tensors (KV through the
+CacheManager)."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.cache_manager import CacheManager
 from engine.forward_batch import ForwardMode
-from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.req import Req
 
 
-class OutOfKVError(RuntimeError):
-    """The pool cannot hold a batch the scheduler already admitted: a budgeting bug."""
-
-
 class ScheduleBatch:
-    def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
-                 allocator: TokenToKVPoolAllocator, tree_cache, device: torch.device) -> None:
+    def __init__(self, reqs: list[Req], cache: CacheManager, device: torch.device) -> None:
         self.reqs = reqs
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.tree_cache = tree_cache
+        self.cache = cache
         self.device = device
         self.forward_mode = ForwardMode.DECODE
         self.input_ids = self.seq_lens = self.out_cache_loc = self.req_pool_indices = None
@@ -50,14 +44,6 @@ class ScheduleBatch:
         t = torch.tensor(data, dtype=torch.int64)
         return t.pin_memory() if self.device.type == "cuda" else t
 
-    def alloc_token_slots(self, n: int) -> torch.Tensor:
-        if self.allocator.available_size() < n:
-            self.tree_cache.evict(n - self.allocator.available_size())
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            raise OutOfKVError(f"need {n} KV slots, {self.allocator.available_size()} free after eviction")
-        return slots
-
     # ---- prefill ---------------------------------------------------------------------------
     def prepare_for_extend(self, mode: ForwardMode = ForwardMode.EXTEND) -> None:
         """Tensors of an extend: only tokens after each request's prefix are computed."""
@@ -68,34 +54,15 @@ class ScheduleBatch:
         for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
             input_ids.extend(r.fill_ids[p:p + n])
         self.seq_lens_cpu = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
-        self.out_cache_loc = self.alloc_for_extend()
+        self.out_cache_loc = self.cache.alloc_extend(self.reqs, self.prefix_lens, self.extend_lens)
+        self.req_pool_indices = self._to_device([r.req_pool_idx for r in self.reqs], torch.int64)
         self.input_ids = self._stage(input_ids)
         self.seq_lens = self._stage(self.seq_lens_cpu)
-
-    def alloc_for_extend(self) -> torch.Tensor:
-        """One slot per new token; writes req_to_token[row, :prefix] and [row, prefix:seq]."""
-        out_cache_loc = self.alloc_token_slots(sum(self.extend_lens))
-        pool, offset = self.req_to_token_pool, 0
-        try:
-            for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
-                if r.req_pool_idx is None:
-                    r.req_pool_idx = pool.alloc()
-                    if r.req_pool_idx is None:
-                        raise OutOfKVError("no free request row")
-                    pool.write(r.req_pool_idx, 0, r.prefix_indices)
-                pool.write(r.req_pool_idx, p, out_cache_loc[offset:offset + n])
-                r.kv_len = p + n
-                offset += n
-        except BaseException:  # slots no request row records yet would leak
-            self.allocator.free(out_cache_loc[offset:])
-            raise
-        self.req_pool_indices = self._to_device([r.req_pool_idx for r in self.reqs], torch.int64)
-        return out_cache_loc
 
     def mix_with_running(self, running: ScheduleBatch) -> None:
         """Fold the running decode requests in as one-token extends (a MIXED batch)."""
         for r in running.reqs:
-            r.prefix_indices = self.req_to_token_pool.req_to_token[r.req_pool_idx, :r.kv_len].to(torch.int64)
+            r.prefix_indices = self.cache.kv_indices(r)
             r.extend_input_len = 1
         self.decoding_reqs = {id(r) for r in running.reqs}
         self.reqs = self.reqs + running.reqs
@@ -108,20 +75,12 @@ class ScheduleBatch:
         the forward side (ModelRunner.forward_and_sample)."""
         self.forward_mode = ForwardMode.DECODE
         bs = len(self.reqs)
-        self.out_cache_loc = self.alloc_token_slots(bs)
         old_lens = [r.kv_len for r in self.reqs]
-        rows = [r.req_pool_idx for r in self.reqs]
-        try:
-            self.req_pool_indices = self._to_device(rows, torch.int64)
-            self.req_to_token_pool.req_to_token[self.req_pool_indices, self._to_device(old_lens, torch.int64)] = (
-                self.out_cache_loc.to(torch.int32))
-        except BaseException:  # not recorded in any row: give the slots back
-            self.allocator.free(self.out_cache_loc)
-            raise
+        self.req_pool_indices = self._to_device([r.req_pool_idx for r in self.reqs], torch.int64)
+        self.out_cache_loc = self.cache.alloc_decode(self.reqs, self.req_pool_indices,
+                                                     self._to_device(old_lens, torch.int64))
         self.prefix_lens, self.extend_lens = old_lens, [1] * bs
         self.seq_lens_cpu = [n + 1 for n in old_lens]
-        for r in self.reqs:
-            r.kv_len += 1
         self.seq_lens = self._stage(self.seq_lens_cpu)
         self.input_ids_from_future = from_future
         self.input_ids = self._stage([0 if from_future else r.output_ids[-1] for r in self.reqs])
@@ -135,8 +94,7 @@ class ScheduleBatch:
         self.seq_lens_cpu, self.prefix_lens, self.extend_lens = [], [], []
 
     def check_decode_mem(self) -> bool:
-        need = len(self.reqs)
-        return self.allocator.available_size() + self.tree_cache.evictable_size() >= need
+        return self.cache.available_size() >= len(self.reqs)
 
     def retract_decode(self) -> list[Req]:
         """Take requests out until the rest can decode a few more steps; return them (re-queued
@@ -148,11 +106,11 @@ class ScheduleBatch:
         retracted: list[Req] = []
         while len(self.reqs) - len(retracted) > 1:
             remaining = len(self.reqs) - len(retracted)
-            if self.allocator.available_size() + self.tree_cache.evictable_size() >= 2 * remaining:
+            if self.cache.available_size() >= 2 * remaining:
                 break
             victim = self.reqs[order[len(retracted)]]
             retracted.append(victim)
-            self.tree_cache.cache_finished_req(victim)
+            self.cache.cache_finished_req(victim)
             victim.num_retractions += 1
         gone = {id(r) for r in retracted}
         self.reqs = [r for r in self.reqs if id(r) not in gone]

@@ -1,19 +1,25 @@
-"""The engine loop: admit requests (prefill), decode the running batch, process results."""
+"""The scheduler and its one step loop: schedule -> (strategy sync) -> forward -> process results.
+
+Strategies decide how a step runs its batch: `StepStrategy` runs it to its result within the
+step; `OverlapStep` leaves a decode batch in flight on a forward thread and schedules the next
+one meanwhile (the scheduler owns that future-input state); attention-DP's lock-step
+(engine/dp.py) agrees on token counts with its group in `sync` and runs IDLE batches. A
+speculative verify step overrides `sync` too, replacing a decode batch by its verify batch."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 
+from engine.cache_manager import CacheManager
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, ErrorKind, MemoryInvariantError
+from engine.errors import EngineDeadError, ErrorKind
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model_runner import PendingSample
 from engine.prefill_adder import AddResult, PrefillAdder
-from engine.radix_cache import NoRadixCache, RadixCache
 from engine.req import FinishReason, Req
 from engine.sampling import SampleResult
 from engine.schedule_batch import ScheduleBatch
@@ -31,20 +37,44 @@ def _raiser(error: Exception) -> Callable[[], SampleResult]:
     return wait
 
 
+class StepStrategy:
+    """Runs each batch to its result within the step."""
+
+    executor: concurrent.futures.Executor | None = None  # where forwards run (None: inline)
+    overlap = False  # a decode batch's results may wait while the next batch is scheduled
+
+    def sync(self, sched: Scheduler, batch: ScheduleBatch | None,
+             touched: list[Req]) -> ScheduleBatch | None:
+        """Between scheduling and the forward: the batch to run (None: no forward)."""
+        return batch
+
+    def again(self, sched: Scheduler) -> bool:
+        """After the step: whether to step again at once (else the loop sleeps until work)."""
+        return sched.has_work() or sched.inflight is not None
+
+
+class OverlapStep(StepStrategy):
+    """Overlap scheduling: decode batch N+1 is scheduled (inputs read from the future-token
+    buffer) while batch N runs on the forward thread; its results are processed after."""
+
+    overlap = True
+
+    def __init__(self, executor: concurrent.futures.Executor) -> None:
+        self.executor = executor
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, model_runner, eos_token_ids: frozenset[int],
                  decode_tail: Callable[[list[int]], str] | None = None) -> None:
         self.config = config
         self.model_runner = model_runner
         self.device = model_runner.device
-        self.req_to_token_pool: ReqToTokenPool = model_runner.req_to_token_pool
-        self.allocator: TokenToKVPoolAllocator = model_runner.allocator
-        cache_cls = NoRadixCache if config.disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator)
+        self.cache = CacheManager(model_runner.req_to_token_pool, model_runner.allocator,
+                                  share_prefixes=not config.disable_radix_cache)
         self.eos_token_ids = eos_token_ids
         self.decode_tail = decode_tail
         self.max_context_len = model_runner.max_context_len
-        self.max_running = self.req_to_token_pool.size
+        self.max_running = model_runner.req_to_token_pool.size
         self.max_prefill_tokens = config.max_prefill_tokens or 16384
         self.chunk_size = config.chunked_prefill_size or self.max_prefill_tokens
         self.waiting_queue: list[Req] = []
@@ -69,12 +99,13 @@ class Scheduler:
         # Seconds spent inside ModelRunner.forward, by mode (benchmarks read it).
         self.forward_seconds: Counter[str] = Counter()
         self.last_mode: str | None = None
-        # Overlap scheduling: set while a decode batch is in flight, so the next decode batch
-        # takes its input ids from the future-token buffer.
-        self.future_inputs = False
+        # Overlap scheduling: the decode batch in flight and how to wait for its result. While
+        # it is set, the next decode batch takes its input ids from the future-token buffer.
+        self.inflight: tuple[ScheduleBatch, Callable[[], SampleResult]] | None = None
+        self.overlapped_steps = 0  # decode batches launched while the previous one still ran
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.device)
+        return ScheduleBatch(reqs, self.cache, self.device)
 
     # ---- request table ---------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -107,42 +138,63 @@ class Scheduler:
                 if req is self.chunked_req:
                     self.chunked_req = None
                 if req.req_pool_idx is not None:
-                    self.tree_cache.cache_finished_req(req)
+                    self.cache.cache_finished_req(req)
             ended.append(req)
         if admitted:
             self._drop_finished_from_running()
         return ended
 
-    # ---- one step --------------------------------------------------------------------------
-    def step(self) -> list[Req]:
-        """Run at most one batch. Returns the requests that got tokens or finished."""
-        aborted, batch = self.schedule()
-        return self.execute(batch, aborted)
-
-    def schedule(self) -> tuple[list[Req], ScheduleBatch | None]:
-        """First half of a step: apply aborts and pick the next batch (attention-DP agrees
-        on token counts between the halves)."""
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self, strategy: StepStrategy | None = None) -> tuple[list[Req], bool]:
+        """Run at most one batch. Returns the requests that got tokens or finished, and
+        whether to step again at once."""
+        strategy = strategy or StepStrategy()
         self.last_mode = None
-        return self._handle_aborts(), self.get_next_batch_to_run()
+        touched: list[Req] = []
+        if self.inflight is not None and not self._can_schedule_ahead():
+            touched += self._finish_inflight()
+        touched += self._handle_aborts()
+        batch = self.get_next_batch_to_run()
+        touched, self.failed = touched + self.failed, []  # (those its building failed)
+        batch = strategy.sync(self, batch, touched)
+        if batch is not None:
+            overlapped = strategy.overlap and batch.forward_mode.is_decode()
+            self.overlapped_steps += overlapped and self.inflight is not None
+            wait = self.launch_batch(batch, strategy.executor)
+            touched += self._finish_inflight()  # (under overlap: while this batch runs)
+            if overlapped:
+                self.inflight = (batch, wait)
+            else:
+                touched += self.complete(batch, wait)
+        else:
+            touched += self._finish_inflight()
+        for req in touched:
+            if req.finished():
+                self.reqs.pop(req.rid, None)
+        if not self.has_work() and self.inflight is None and not self._idle_checked:
+            self.check_memory()
+            self._idle_checked = True
+        return touched, strategy.again(self)
+
+    def _can_schedule_ahead(self) -> bool:
+        """Whether the next batch can be scheduled before the in-flight one's results: only a
+        plain decode continuation can (prefill, aborts, retraction and penalties need them)."""
+        running = self.running_batch.reqs
+        return not (self.waiting_queue or self.chunked_req or self.pending_aborts
+                    or any(r.sampling_params.has_penalties for r in running)
+                    or self.cache.available_size() < 2 * len(running) + 2)
+
+    def _finish_inflight(self) -> list[Req]:
+        if self.inflight is None:
+            return []
+        batch, wait = self.inflight
+        self.inflight = None
+        return self.complete(batch, wait)
 
     def idle_batch(self) -> ScheduleBatch:
         batch = self._new_batch([])
         batch.prepare_for_idle()
         return batch
-
-    def execute(self, batch: ScheduleBatch | None, touched: list[Req]) -> list[Req]:
-        """Second half: run the batch, process its results, and check memory when idle."""
-        touched = touched + self.failed
-        self.failed = []
-        if batch is not None:
-            touched = touched + self.complete(batch, self.launch_batch(batch))
-        for req in touched:
-            if req.finished():
-                self.reqs.pop(req.rid, None)
-        if not self.has_work() and not self._idle_checked:
-            self.check_memory()
-            self._idle_checked = True
-        return touched
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         batch = self.get_new_batch_prefill()
@@ -158,10 +210,9 @@ class Scheduler:
             return None
         if self.config.schedule_policy == "lpm":
             for req in self.waiting_queue:
-                req.init_next_round_input(self.tree_cache)
+                self.cache.match_prefix(req)
             self.waiting_queue.sort(key=lambda r: -len(r.prefix_indices))
-        adder = PrefillAdder(self.tree_cache, self.allocator, running, self.new_token_ratio,
-                             self.max_prefill_tokens, self.chunk_size,
+        adder = PrefillAdder(self.cache, running, self.new_token_ratio, self.max_prefill_tokens, self.chunk_size,
                              mixed_with_decode=self.config.enable_mixed_chunk)
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
@@ -172,7 +223,7 @@ class Scheduler:
             if len(running) + len(adder.can_run) >= self.max_running:
                 break
             if self.config.schedule_policy != "lpm":
-                req.init_next_round_input(self.tree_cache)
+                self.cache.match_prefix(req)
             if self._defer_shared_prefix(req, admitted_heads):
                 continue
             if adder.add_one_req(req) != AddResult.CONTINUE:
@@ -227,7 +278,7 @@ class Scheduler:
             # Reserve every running request's full remaining output for a while: no thrashing.
             self.new_token_ratio = 1.0
         try:
-            batch.prepare_for_decode(from_future=self.future_inputs)
+            batch.prepare_for_decode(from_future=self.inflight is not None)
         except Exception as e:
             self.failed += self.fail_reqs(batch.reqs, e)
             return None
@@ -268,7 +319,7 @@ class Scheduler:
             if req is self.chunked_req:
                 self.chunked_req = None
             try:
-                self.tree_cache.release_req(req)
+                self.cache.release_req(req)
             except Exception:  # keep failing the others; the idle check reports any leak
                 log.exception("releasing the KV of request %s failed", req.rid)
             self.num_failed += 1
@@ -320,7 +371,7 @@ class Scheduler:
                                                  "probabilities for this request")
                 continue
             if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
-                self.tree_cache.cache_unfinished_req(req)
+                self.cache.cache_unfinished_req(req)
                 continue
             try:
                 self._append_token(req, result, i)
@@ -330,11 +381,11 @@ class Scheduler:
             # The cache calls stay outside that guard: one failing half-way leaves the tree in an
             # unknown state, which no single request can be blamed for (the loop dies instead).
             if req.finished():
-                self.tree_cache.cache_finished_req(req)
+                self.cache.cache_finished_req(req)
             else:
                 if batch.forward_mode.is_extend() and id(req) not in decoding:
                     # The prompt's KV joins the tree now, so requests sharing it hit at once.
-                    self.tree_cache.cache_unfinished_req(req)
+                    self.cache.cache_unfinished_req(req)
                 still_running.append(req)
             touched.append(req)
         if batch.forward_mode == ForwardMode.EXTEND:
@@ -352,17 +403,5 @@ class Scheduler:
 
     # ---- integrity ---------------------------------------------------------------------------
     def check_memory(self) -> None:
-        """Idle invariant: every slot is free or in the tree, and every request row is free."""
-        available = self.allocator.available_size()
-        evictable = self.tree_cache.evictable_size()
-        protected = self.tree_cache.protected_size()
-        total = self.allocator.size
-        if available + evictable + protected != total:
-            raise MemoryInvariantError(
-                f"KV leak: available {available} + evictable {evictable} + protected {protected} "
-                f"!= total {total}")
-        if protected:
-            raise MemoryInvariantError(f"{protected} slots still locked with no request running")
-        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
-            raise MemoryInvariantError(
-                f"request rows leaked: {self.req_to_token_pool.size - self.req_to_token_pool.available_size()}")
+        """The idle invariant (see CacheManager.check_idle)."""
+        self.cache.check_idle()

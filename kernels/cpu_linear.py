@@ -49,18 +49,3 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
         return False
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     return bool(torch.allclose(got, F.linear(x, w, b).float(), atol=tol, rtol=tol))
-
-
-def use_onednn(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Resolve EngineConfig.linear_backend: 'auto' is oneDNN on the CPU where it works."""
-    from engine.errors import ConfigError  # lazily: engine imports this module
-
-    if backend == "torch" or device.type != "cpu":
-        if backend == "onednn":
-            raise ConfigError("linear_backend='onednn' is for device='cpu'")
-        return False
-    works = onednn_linear_works(dtype)
-    if backend == "onednn" and not works:
-        raise ConfigError(f"linear_backend='onednn' is unavailable for {dtype} in this torch build "
-                          "(use 'torch' or 'auto')")
-    return works

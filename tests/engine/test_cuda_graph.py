@@ -39,7 +39,7 @@ def test_padding_uses_row_zero_and_slot_zero():
 def test_padded_rows_touch_nothing(model_dirs):
     """Row 0 and slot 0 are never handed out, so what a padded row reads and writes is inert."""
     eng = Engine(model_path=model_dirs["stories"], max_total_tokens=300)
-    s = eng.scheduler
+    s = eng.scheduler.cache
     assert 0 not in s.allocator.free_slots.tolist()
     assert 0 not in s.req_to_token_pool.free_slots
     eng.generate(prompt=["Once upon a time", "The cat"], sampling_params=SamplingParams(max_new_tokens=8))

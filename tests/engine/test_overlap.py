@@ -57,8 +57,8 @@ def test_overlap_stress_finishing_every_step(model_dirs):
     got = over.generate(input_ids=ids, sampling_params=params)
     assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [(r.token_ids, r.text, r.finish_reason) for r in ref]
     over.check_memory()
-    assert over.scheduler.allocator.available_size() + over.scheduler.tree_cache.evictable_size() == 600
-    over.scheduler.allocator.check_no_duplicates()
+    assert over.scheduler.cache.available_size() == 600
+    over.scheduler.cache.allocator.check_no_duplicates()
 
 
 def test_overlap_abort_and_sampling(model_dirs):

@@ -37,7 +37,7 @@ def test_linear_backends(model_dirs, hf, name, linear_backend):
 
 def test_long_prefill_batch(model_dirs, hf):
     """One extend batch of more than CPU_ROW_BLOCK tokens: norm/qkv/RoPE and the MLP run in row blocks."""
-    from engine.model import CPU_ROW_BLOCK
+    from engine.models.layers import CPU_ROW_BLOCK
 
     eng = Engine(model_path=model_dirs["llama"])
     ids = prompts(eng, 4, seed=6, lo=CPU_ROW_BLOCK // 2, hi=CPU_ROW_BLOCK // 2 + 40)
@@ -128,7 +128,7 @@ def test_disable_radix_cache(model_dirs, hf, name):
     assert all(o.cached_tokens == 0 for o in outs)
     assert_matches_hf(eng, hf, model_dirs[name], ids + ids[:2], outs)
     eng.check_memory()
-    assert eng.scheduler.allocator.available_size() == 300
+    assert eng.scheduler.cache.allocator.available_size() == 300
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])

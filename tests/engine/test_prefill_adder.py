@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import Engine, SamplingParams
+from engine.cache_manager import CacheManager
+from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.prefill_adder import AddResult, PrefillAdder
-from engine.radix_cache import RadixCache
 from engine.req import Req
 
-
-class _Pool:
-    """A stand-in allocator with a fixed number of free slots (the adder only reads it)."""
-
-    def __init__(self, free: int) -> None:
-        self.free = free
-
-    def available_size(self) -> int:
-        return self.free
+CPU = torch.device("cpu")
 
 
 def _req(rid: str, prompt: int, max_new: int, output: int = 0) -> Req:
@@ -27,53 +21,49 @@ def _req(rid: str, prompt: int, max_new: int, output: int = 0) -> Req:
     return req
 
 
-def _waiting(tree: RadixCache, *args, **kw) -> Req:
-    """A waiting request matched against the (empty) tree, as the scheduler does first."""
+def _waiting(a: PrefillAdder, *args, **kw) -> Req:
+    """A waiting request matched against the adder's (empty) cache, as the scheduler does first."""
     req = _req(*args, **kw)
-    req.init_next_round_input(tree)
+    a.cache.match_prefix(req)
     return req
 
 
-@pytest.fixture
-def tree(model_dirs):
-    eng = Engine(model_path=model_dirs["llama"], max_total_tokens=256)
-    return RadixCache(eng.scheduler.req_to_token_pool, eng.scheduler.allocator)
-
-
-def adder(tree, free: int, running: list[Req] = (), ratio: float = 0.5, max_prefill: int = 1000,
+def adder(free: int, running: list[Req] = (), ratio: float = 0.5, max_prefill: int = 1000,
           chunk: int = 1000, mixed: bool = False) -> PrefillAdder:
-    return PrefillAdder(tree, _Pool(free), list(running), ratio, max_prefill, chunk, mixed_with_decode=mixed)
+    """An adder over an empty radix cache with `free` free slots."""
+    cache = CacheManager(ReqToTokenPool(16, 2048, CPU), TokenToKVPoolAllocator(free, CPU))
+    return PrefillAdder(cache, list(running), ratio, max_prefill, chunk, mixed_with_decode=mixed)
 
 
-def test_reserve_for_running_requests(tree):
+def test_reserve_for_running_requests():
     running = [_req("r0", 4, max_new=40, output=20), _req("r1", 4, max_new=20)]  # 20 and 20 to go
-    a = adder(tree, free=100, running=running, ratio=0.5)
+    a = adder(free=100, running=running, ratio=0.5)
     assert a.rem_total_tokens == 100 - 0.5 * 40
-    assert a.add_one_req(_waiting(tree, "a", 50, max_new=10)) == AddResult.CONTINUE  # 50 + 5 <= 80
-    assert a.add_one_req(_waiting(tree, "b", 30, max_new=10)) == AddResult.NO_TOKEN  # 30 + 5 > 25
+    assert a.add_one_req(_waiting(a, "a", 50, max_new=10)) == AddResult.CONTINUE  # 50 + 5 <= 80
+    assert a.add_one_req(_waiting(a, "b", 30, max_new=10)) == AddResult.NO_TOKEN  # 30 + 5 > 25
     assert [r.rid for r in a.can_run] == ["a"]
 
 
-def test_first_request_goes_in_whenever_its_prompt_fits(tree):
-    a = adder(tree, free=60)
-    assert a.add_one_req(_waiting(tree, "a", 50, max_new=500)) == AddResult.CONTINUE  # its future is not reserved
-    assert a.add_one_req(_waiting(tree, "b", 5, max_new=500)) == AddResult.NO_TOKEN
+def test_first_request_goes_in_whenever_its_prompt_fits():
+    a = adder(free=60)
+    assert a.add_one_req(_waiting(a, "a", 50, max_new=500)) == AddResult.CONTINUE  # its future is not reserved
+    assert a.add_one_req(_waiting(a, "b", 5, max_new=500)) == AddResult.NO_TOKEN
 
 
-def test_prefill_token_budget_and_chunking(tree):
-    a = adder(tree, free=1000, max_prefill=64, chunk=1000)
-    assert a.add_one_req(_waiting(tree, "a", 40, max_new=1)) == AddResult.CONTINUE
-    assert a.add_one_req(_waiting(tree, "b", 40, max_new=1)) == AddResult.OTHER  # over max_prefill with one admitted
-    c = adder(tree, free=1000, chunk=16)
-    long = _waiting(tree, "c", 40, max_new=1)
+def test_prefill_token_budget_and_chunking():
+    a = adder(free=1000, max_prefill=64, chunk=1000)
+    assert a.add_one_req(_waiting(a, "a", 40, max_new=1)) == AddResult.CONTINUE
+    assert a.add_one_req(_waiting(a, "b", 40, max_new=1)) == AddResult.OTHER  # over max_prefill with one admitted
+    c = adder(free=1000, chunk=16)
+    long = _waiting(c, "c", 40, max_new=1)
     assert c.add_one_req(long) == AddResult.OTHER
     assert c.new_chunked_req is long and long.extend_input_len == 16
 
 
-def test_mixed_batch_reserves_one_slot_per_running_request(tree):
+def test_mixed_batch_reserves_one_slot_per_running_request():
     running = [_req(f"r{i}", 4, max_new=10, output=9) for i in range(8)]  # 1 token to go each
-    plain = adder(tree, free=100, running=running, ratio=0.1)
-    mixed = adder(tree, free=100, running=running, ratio=0.1, mixed=True)
+    plain = adder(free=100, running=running, ratio=0.1)
+    mixed = adder(free=100, running=running, ratio=0.1, mixed=True)
     assert plain.rem_total_tokens == pytest.approx(100 - 0.8)
     assert mixed.rem_total_tokens == pytest.approx(100 - 8)  # the reserve rounds up to a slot each
 
@@ -98,7 +88,7 @@ def test_mixed_chunk_with_decayed_ratio_never_runs_out_of_slots(model_dirs, chun
     while len(outputs()) < 8 or min(outputs()) < 10:
         eng.step()
     assert len(eng.scheduler.running_batch.reqs) == 8
-    assert eng.scheduler.allocator.available_size() == 300 - 8 * 17  # prompt + 9 outputs' KV each
+    assert eng.scheduler.cache.allocator.available_size() == 300 - 8 * 17  # prompt + 9 outputs' KV each
     long = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     sinks["long"] = []
     eng.submit(list(range(5, 205)), long, sinks["long"].append, rid="long")

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.memory import TokenToKVPoolAllocator
 from engine.radix_cache import RadixCache
 
 POOL = 400
@@ -37,7 +37,7 @@ def longest_cached_prefix(stored: dict[tuple, int], key: list[int]) -> int:
 @given(ops)
 def test_radix_cache_matches_reference(script):
     alloc = TokenToKVPoolAllocator(POOL, DEV)
-    cache = RadixCache(ReqToTokenPool(4, 16, DEV), alloc)
+    cache = RadixCache(alloc)
     stored: dict[tuple, int] = {}  # path -> 1 (paths inserted and not fully evicted)
     slot_of: dict[tuple, int] = {}  # token prefix -> slot that holds its last token
     locks = []
@@ -115,7 +115,7 @@ def test_allocator_never_double_allocates(script):
 
 def test_match_splits_node_at_exact_boundary():
     alloc = TokenToKVPoolAllocator(32, DEV)
-    cache = RadixCache(ReqToTokenPool(2, 16, DEV), alloc)
+    cache = RadixCache(alloc)
     slots = alloc.alloc(6)
     cache.insert([1, 2, 3, 4, 5, 6], slots)
     idx, node = cache.match_prefix([1, 2, 3, 9])

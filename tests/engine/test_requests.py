@@ -160,7 +160,7 @@ def test_forward_modes(stories):
     assert ForwardMode.DECODE.is_decode() and not ForwardMode.DECODE.is_extend()
     assert ForwardMode.IDLE.is_idle()
     s = stories.scheduler
-    batch = ScheduleBatch([], s.req_to_token_pool, s.allocator, s.tree_cache, s.device)
+    batch = ScheduleBatch([], s.cache, s.device)
     batch.prepare_for_idle()
     assert stories.model_runner.forward(__import__("engine").ForwardBatch.init_new(batch, s.device)) is None
     for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.PREBUILT,

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from engine import EngineConfig
 from engine.errors import ConfigError
-from kernels.cpu_linear import Linear, onednn_linear_works, use_onednn
+from engine.model_runner import use_onednn
+from kernels.cpu_linear import Linear, onednn_linear_works
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_works(torch.float32), reason="no oneDNN linear in this build")
 

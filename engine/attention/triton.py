@@ -1,0 +1,71 @@
+"""Attention backend "triton": the kernels of kernels/triton_attention.py. Needs CUDA, or
+TRITON_INTERPRET=1 (Triton's CPU interpreter, slow: for tests). The kernels are imported when
+the backend is created, so the engine imports without the triton package."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, register_backend
+from engine.errors import ConfigError
+from engine.forward_batch import ForwardBatch
+from engine.memory import KVCache, ReqToTokenPool
+
+
+@dataclass(frozen=True, slots=True)
+class TritonAttnMetadata:
+    # The kernels read rows and lengths straight from the ForwardBatch's tensors; only the
+    # extend kernel's grid needs a host value: the longest extend of the batch.
+    max_extend: int = 0
+
+
+@register_backend("triton")
+class TritonAttnBackend(AttentionBackend):
+    # Decode reads req_to_token in the kernel, its grid is (bs, heads): nothing depends on values.
+    graph_safe = True
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, scale: float,
+                 device: torch.device) -> None:
+        super().__init__(req_to_token_pool, kv_cache, scale, device)
+        if kv_cache.k[0].device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to test "
+                              "the kernels on the CPU)")
+        try:
+            from kernels import triton_attention
+        except ImportError as e:
+            raise ConfigError(f"attention_backend='triton' needs the triton package: {e}") from None
+        self.ops = triton_attention
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> TritonAttnMetadata:
+        if fb.forward_mode.is_extend():
+            return TritonAttnMetadata(max_extend=max(fb.extend_seq_lens_cpu, default=0))
+        return TritonAttnMetadata()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                fb: ForwardBatch) -> torch.Tensor:
+        if fb.num_tokens == 0:
+            return q
+        md: TritonAttnMetadata = self.metadata(fb)
+        k_buf, v_buf = self.kv.k[layer], self.kv.v[layer]
+        self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        if fb.forward_mode.is_decode():
+            return self.ops.decode_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                             self.scale)
+        return self.ops.extend_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
+                                         fb.extend_seq_lens, fb.extend_start_loc, md.max_extend, self.scale)
+
+    # === CUDA graphs: the decode kernel reads the runner's static req_pool_indices and seq_lens
+    # directly, so there is no extra state to allocate and nothing to refresh before a replay. ===
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        pass
+
+    def capture_metadata(self, fb: ForwardBatch) -> TritonAttnMetadata:
+        if not fb.forward_mode.is_decode():
+            raise ValueError(f"CUDA graphs capture DECODE batches only, got {fb.forward_mode.name}")
+        return TritonAttnMetadata()
+
+    def replay_metadata(self, fb: ForwardBatch) -> None:
+        pass

@@ -1,0 +1,215 @@
+"""CacheManager: the one owner of KV memory bookkeeping. Slot allocation (evicting from the prefix
+cache when the free list runs short), `req_to_token` writes, a request's KV at its end (cached,
+or released after a failure), the KV budget ("free + evictable") and the idle invariant.
+
+The prefix cache behind it (`RadixCache`, or `NoRadixCache` when sharing is off) implements the
+`PrefixCache` protocol and knows nothing of requests. What the cache stores and evicts goes out
+as `KVEvent`s to subscribers (the actor forwards evictions to the cache-aware router)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+import msgspec
+import torch
+
+from engine.errors import MemoryInvariantError
+from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.radix_cache import NoRadixCache, RadixCache
+from engine.req import Req
+
+
+class OutOfKVError(RuntimeError):
+    """The pool cannot hold a batch the scheduler already admitted: a budgeting bug."""
+
+
+class KVEvent(msgspec.Struct, frozen=True):
+    """The prefix cache now holds ("stored") or no longer holds ("removed") the KV of the token
+    path `token_ids` (from the root; a removal drops the path's last node)."""
+
+    kind: Literal["stored", "removed"]
+    token_ids: list[int]
+
+
+class PrefixCache(Protocol):
+    """A token-id prefix cache whose nodes own KV slots. Slots it holds are either evictable
+    (no running request locks them) or protected."""
+
+    shares_prefixes: bool  # False: nothing is kept or shared (a request's KV stays its own)
+    on_event: Callable[[str, list[int]], None] | None  # (kind, token path) of inserts and evictions
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, object]:
+        """Longest cached prefix of key: its slots, and the node to lock for it."""
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Offer key -> value slots. Returns n: the cache now owns value[n:]; value[:n] are the
+        caller's, duplicates of what the cache already had (or, kept nothing, simply not kept)."""
+
+    def inc_lock_ref(self, node: object) -> None: ...
+
+    def dec_lock_ref(self, node: object) -> None: ...
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least num_tokens slots of unlocked entries to the allocator, LRU first."""
+
+    def evictable_size(self) -> int: ...
+
+    def protected_size(self) -> int: ...
+
+    def total_tokens(self) -> int: ...
+
+
+class CacheManager:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
+                 share_prefixes: bool = True) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.allocator = allocator
+        self.tree: PrefixCache = RadixCache(allocator) if share_prefixes else NoRadixCache(allocator)
+        self._subscribers: list[Callable[[KVEvent], None]] = []
+
+    # ---- budget ----------------------------------------------------------------------------
+    @property
+    def total_size(self) -> int:
+        return self.allocator.size
+
+    def available_size(self) -> int:
+        """Slots an allocation can get now: free ones plus what eviction can free."""
+        return self.allocator.available_size() + self.tree.evictable_size()
+
+    def used_size(self) -> int:
+        """Slots held by requests (running, or their locked prefixes)."""
+        return self.allocator.size - self.available_size()
+
+    def cached_size(self) -> int:
+        return self.tree.evictable_size() + self.tree.protected_size()
+
+    # ---- prefix matching and locks (prefill admission) -----------------------------------
+    def match_prefix(self, req: Req) -> None:
+        """Match the cache, leaving at least one token to compute (its logits are needed)."""
+        fill = req.fill_ids
+        req.prefix_indices, req.last_node = self.tree.match_prefix(fill[:len(fill) - 1])
+        req.extend_input_len = len(fill) - len(req.prefix_indices)
+
+    def lock(self, req: Req) -> int:
+        """Protect the request's matched prefix; returns how many slots left the budget."""
+        before = self.tree.evictable_size()
+        self.tree.inc_lock_ref(req.last_node)
+        req.cache_protected_len = len(req.prefix_indices)
+        return before - self.tree.evictable_size()
+
+    def unlock(self, req: Req) -> None:
+        self.tree.dec_lock_ref(req.last_node)
+
+    # ---- allocation ------------------------------------------------------------------------
+    def alloc_slots(self, n: int) -> torch.Tensor:
+        if self.allocator.available_size() < n:
+            self.tree.evict(n - self.allocator.available_size())
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise OutOfKVError(f"need {n} KV slots, {self.allocator.available_size()} free after eviction")
+        return slots
+
+    def alloc_extend(self, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> torch.Tensor:
+        """One slot per new token; a request row for each new request; writes
+        req_to_token[row, :prefix] (the matched prefix) and [row, prefix:prefix + n]."""
+        out_cache_loc = self.alloc_slots(sum(extend_lens))
+        pool, offset = self.req_to_token_pool, 0
+        try:
+            for r, p, n in zip(reqs, prefix_lens, extend_lens):
+                if r.req_pool_idx is None:
+                    r.req_pool_idx = pool.alloc()
+                    if r.req_pool_idx is None:
+                        raise OutOfKVError("no free request row")
+                    pool.write(r.req_pool_idx, 0, r.prefix_indices)
+                pool.write(r.req_pool_idx, p, out_cache_loc[offset:offset + n])
+                r.kv_len = p + n
+                offset += n
+        except BaseException:  # slots no request row records yet would leak
+            self.allocator.free(out_cache_loc[offset:])
+            raise
+        return out_cache_loc
+
+    def alloc_decode(self, reqs: list[Req], rows: torch.Tensor, old_lens: torch.Tensor) -> torch.Tensor:
+        """One slot per sequence, written at req_to_token[row, old_len]."""
+        out_cache_loc = self.alloc_slots(len(reqs))
+        try:
+            self.req_to_token[rows, old_lens] = out_cache_loc.to(torch.int32)
+        except BaseException:  # not recorded in any row: give the slots back
+            self.allocator.free(out_cache_loc)
+            raise
+        for r in reqs:
+            r.kv_len += 1
+        return out_cache_loc
+
+    def kv_indices(self, req: Req) -> torch.Tensor:
+        """The slots of the request's stored KV, in token order."""
+        return self.req_to_token[req.req_pool_idx, :req.kv_len].to(torch.int64)
+
+    # ---- a request's KV when it ends or pauses ----------------------------------------------
+    def _insert(self, req: Req) -> torch.Tensor:
+        """Offer the request's computed KV to the cache; free its duplicates of cached slots."""
+        slots = self.kv_indices(req)
+        have = self.tree.insert(req.fill_ids[:req.kv_len], slots)
+        if have > req.cache_protected_len:
+            self.allocator.free(slots[req.cache_protected_len:have])
+        return slots
+
+    def cache_finished_req(self, req: Req) -> None:
+        """The request ended (or was retracted): its KV goes to the cache, its row is freed."""
+        self._insert(req)
+        self.tree.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.release_kv_state()
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        """After a prefill chunk (or its first token): cache what is computed and lock the
+        request on it, so requests sharing it hit at once and it is never evicted under it."""
+        if not self.tree.shares_prefixes:  # it keeps its own slots as the next chunk's prefix
+            req.prefix_indices, req.cache_protected_len = self.kv_indices(req), 0
+            return
+        self._insert(req)
+        new_indices, new_node = self.tree.match_prefix(req.fill_ids[:req.kv_len])
+        start = req.cache_protected_len
+        self.req_to_token_pool.write(req.req_pool_idx, start, new_indices[start:])
+        self.tree.inc_lock_ref(new_node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.prefix_indices, req.last_node, req.cache_protected_len = new_indices, new_node, len(new_indices)
+
+    def release_req(self, req: Req) -> None:
+        """End a failed request without caching: its newest KV may be garbage. Frees the slots
+        it owns (past the cache's locked prefix), unlocks the prefix, frees the row."""
+        if req.req_pool_idx is not None:
+            own = self.req_to_token[req.req_pool_idx, req.cache_protected_len:req.kv_len]
+            self.allocator.free(own.to(torch.int64))
+            self.req_to_token_pool.free(req.req_pool_idx)
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        req.release_kv_state()
+
+    # ---- KV events ---------------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[KVEvent], None]) -> None:
+        """callback(KVEvent) on the step thread for every store and eviction from now on."""
+        self._subscribers.append(callback)
+        self.tree.on_event = self._publish  # paths are computed only once someone listens
+
+    def _publish(self, kind: str, token_ids: list[int]) -> None:
+        event = KVEvent(kind, token_ids)
+        for callback in self._subscribers:
+            callback(event)
+
+    # ---- integrity ---------------------------------------------------------------------------
+    def check_idle(self) -> None:
+        """Idle invariant (no request running): every slot is free or in the cache, nothing is
+        locked, and every request row is free."""
+        available, evictable = self.allocator.available_size(), self.tree.evictable_size()
+        protected, total = self.tree.protected_size(), self.allocator.size
+        if available + evictable + protected != total:
+            raise MemoryInvariantError(f"KV leak: available {available} + evictable {evictable} + protected "
+                                       f"{protected} != total {total}")
+        if protected:
+            raise MemoryInvariantError(f"{protected} slots still locked with no request running")
+        pool = self.req_to_token_pool
+        if pool.available_size() != pool.size:
+            raise MemoryInvariantError(f"request rows leaked: {pool.size - pool.available_size()}")

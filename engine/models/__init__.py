@@ -1,0 +1,65 @@
+"""Models by HF architecture name. A model is one file in this folder: a `CausalLM` subclass
+built from `layers`, decorated with `@register_model("XForCausalLM", ...)`; every module here is
+imported below, so the file alone registers it."""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import os
+import pkgutil
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.models.base import MODEL_REGISTRY, CausalLM, Weights, register_model
+
+
+def _import_model_files() -> None:
+    """Each model file registers its architectures when imported."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_model_files()
+
+__all__ = ["MODEL_REGISTRY", "CausalLM", "Weights", "build_model", "load_weights", "model_class",
+           "register_model"]
+
+
+def model_class(architecture: str) -> type[CausalLM]:
+    """The registered class for an HF architecture name; ConfigError naming the supported ones."""
+    cls = MODEL_REGISTRY.get(architecture)
+    if cls is None:
+        raise ConfigError(f"architecture {architecture!r} is not supported "
+                          f"(supported: {', '.join(sorted(MODEL_REGISTRY))})")
+    return cls
+
+
+def build_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
+                max_positions: int, mlp_shard: tuple[int, int] = (0, 1), onednn: bool = False) -> CausalLM:
+    """The model for `cfg.architecture` with the checkpoint weights in `model_dir`."""
+    cls = model_class(cfg.architecture)  # before reading what may be gigabytes of weights
+    return cls(cfg, load_weights(model_dir), dtype, device, max_positions, mlp_shard, onednn)
+
+
+def load_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a single or sharded safetensors checkpoint, on the CPU."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        paths = [os.path.join(model_dir, name) for name in files]
+    else:
+        paths = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not paths:
+        raise ConfigError(f"no *.safetensors weights in {model_dir!r}")
+    weights: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name)
+    return weights

@@ -1,0 +1,76 @@
+"""The model contract (`CausalLM`), the architecture registry and the checkpoint view models load from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.forward_batch import ForwardBatch
+
+# HF `architectures` name -> model class; filled by @register_model when a model file is imported.
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {}
+
+
+def register_model(*arch_names: str) -> Callable[[type[CausalLM]], type[CausalLM]]:
+    """Class decorator: serve checkpoints whose config.json names any of `arch_names`."""
+
+    def register(cls: type[CausalLM]) -> type[CausalLM]:
+        taken = [f"{n!r} ({MODEL_REGISTRY[n].__name__})" for n in arch_names if MODEL_REGISTRY.get(n, cls) is not cls]
+        if taken:
+            raise ValueError(f"architecture already registered: {', '.join(taken)}")
+        MODEL_REGISTRY.update(dict.fromkeys(arch_names, cls))
+        return cls
+
+    return register
+
+
+class CausalLM:
+    """What ModelRunner, attention-DP (engine/dp.py), CUDA graphs and the benches rely on.
+
+    - `cls(cfg, weights, dtype, device, max_positions, mlp_shard, onednn)`: `weights` maps HF
+      checkpoint names to CPU tensors (`engine.models.load_weights`). The model copies what it
+      needs to `device` in `dtype` and keeps no reference to the dict; a missing weight raises
+      ConfigError naming it (`Weights`). The weight names live in the model's file, with it.
+      `max_positions` bounds the positions forward() sees; `mlp_shard` = (rank, world) is this
+      attention-DP member's share of every MLP; `onednn` picks prepacked CPU linears.
+    - `forward(fb, attn) -> logits [bs, vocab]` at `fb.last_token_indices`. Layer i's attention
+      is `attn.forward(q, k, v, i, fb)` (q [T, heads, head_dim], k and v [T, kv_heads, head_dim])
+      -> [T, heads, head_dim]. T may be 0 (an IDLE batch). On CUDA it must be graph-capturable
+      (no host syncs), since decode batches replay it as a CUDA graph.
+    - `scale`: the softmax scale the attention backend applies.
+    - `mlp_comm`: None, or set by attention-DP after construction. Every layer then passes its
+      MLP input through `mlp_comm.gather` (all members' rows) and the MLP's partial output
+      through `mlp_comm.reduce_scatter` (summed, back to this member's rows).
+    - `num_parameters()`: parameters this member holds (its MLP shard only).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
+                 onednn: bool = False) -> None:
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.scale = cfg.head_dim ** -0.5
+        self.mlp_comm = None
+
+    def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
+        raise NotImplementedError
+
+    def num_parameters(self) -> int:
+        raise NotImplementedError
+
+
+class Weights:
+    """A checkpoint's tensors by HF name; `w(name)` is that tensor on the model's device and dtype."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self.tensors, self.dtype, self.device = tensors, dtype, device
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ConfigError(f"checkpoint is missing weight {name!r}")
+        return self.tensors[name].to(device=self.device, dtype=self.dtype)

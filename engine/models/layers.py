@@ -1,0 +1,190 @@
+"""Blocks the model files are built from: RMSNorm, RoPE, attention, the gated MLP, a pre-norm
+decoder layer, and the CPU row blocking of per-token work.
+
+Weights are plain tensors and `kernels.cpu_linear.Linear` projections (no nn.Module). Numerics
+follow transformers (RMSNorm in float32, rotate-half RoPE with the same inverse frequencies), so
+greedy tokens match it exactly in float32."""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ConfigError
+from kernels.cpu_linear import Linear
+
+# Long prefills on the CPU run the per-token parts of a layer (norms, projections, RoPE, MLP) in
+# blocks of this many rows, so their intermediates (the MLP's [rows, 2 x intermediate] above
+# all) stay in cache instead of streaming and page-faulting hundreds of MB per layer.
+CPU_ROW_BLOCK = 512
+
+
+def row_blocks(rows: int, device: torch.device) -> list[slice]:
+    """CPU_ROW_BLOCK-row slices for long CPU inputs; else one slice over all rows."""
+    if device.type != "cpu" or rows <= CPU_ROW_BLOCK:
+        return [slice(None)]
+    return [slice(s, s + CPU_ROW_BLOCK) for s in range(0, rows, CPU_ROW_BLOCK)]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: normalise in float32, scale in the input dtype."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op, same math
+    dtype = x.dtype
+    x = F.rms_norm(x.float(), weight.shape, None, eps)
+    return weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """transformers' inverse frequencies: default, `linear` or `llama3` scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / hi) & ~(wavelen > old_ctx / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = roll(x, half) * [-1.., +1..] folded
+    into `sin_signed` (bit-identical: negation is exact)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class RoPE:
+    """cos and sign-folded sin tables for positions [0, max_positions), on the model's device."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin()
+        sin[:, :head_dim // 2] = -sin[:, :head_dim // 2]
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin_signed = sin.to(device=device, dtype=dtype)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed) [T, 1, head_dim] for apply_rope over [T, heads, head_dim]."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+
+class Attention:
+    """The projections around the attention backend: a fused q/k/v projection (optional bias),
+    optional per-head q/k RMSNorm (Qwen3), RoPE on q and k, and the o-projection."""
+
+    def __init__(self, qkv: Linear, o: Linear, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> None:
+        self.qkv_proj, self.o_proj = qkv, o
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        self.qkv_heads = num_heads + 2 * num_kv_heads
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def roped_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [T, H] -> q, k, v as one [T, qkv_heads, head_dim] tensor, q and k roped."""
+        nq, nkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(x.shape[0], self.qkv_heads, self.head_dim)
+        qk = qkv[:, :nq + nkv]
+        if self.q_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, :nq], self.q_norm, self.eps),
+                            rms_norm(qk[:, nq:], self.k_norm, self.eps)], dim=1)
+        qkv[:, :nq + nkv] = apply_rope(qk, cos, sin)  # q and k in one pass
+        return qkv
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+
+    def numel(self) -> int:
+        norms = [t for t in (self.q_norm, self.k_norm) if t is not None]
+        return self.qkv_proj.numel() + self.o_proj.numel() + sum(t.numel() for t in norms)
+
+
+class MLP(Protocol):
+    """A layer's MLP slot: [T, H] -> [T, H]. Under attention-DP it sees the whole group's rows and
+    returns this member's partial sum (its shard of the intermediate dim, or of the experts)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def numel(self) -> int: ...
+
+
+def shard_range(size: int, shard: tuple[int, int]) -> tuple[int, int]:
+    """[lo, hi) of member `rank` of `world` over a dim of `size`."""
+    rank, world = shard
+    if size % world:
+        raise ConfigError(f"intermediate_size {size} is not divisible by the DP group size {world}")
+    return rank * size // world, (rank + 1) * size // world
+
+
+class GatedMLP:
+    """down(silu(gate(x)) * up(x)), gate and up fused into one projection; holds the `shard`
+    (rank, world) slice of the intermediate dim."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 shard: tuple[int, int] = (0, 1), onednn: bool = False) -> None:
+        lo, hi = shard_range(gate.shape[0], shard)
+        self.gate_up = Linear(torch.cat([gate[lo:hi], up[lo:hi]]), onednn=onednn)
+        self.down = Linear(down[:, lo:hi].contiguous(), onednn=onednn)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = row_blocks(x.shape[0], x.device)  # > 1 only for attention-DP's gathered rows
+        if len(blocks) == 1:
+            return self._rows(x)
+        out = x.new_empty(x.shape[0], self.down.out_features)
+        for blk in blocks:
+            out[blk] = self._rows(x[blk])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate, inplace=True).mul_(up))
+
+    def numel(self) -> int:
+        return self.gate_up.numel() + self.down.numel()
+
+
+class DecoderLayer:
+    """Pre-norm layer: residual += o(attention(norm(residual))); residual += mlp(norm(residual))."""
+
+    def __init__(self, input_norm: torch.Tensor, attn: Attention, post_norm: torch.Tensor, mlp: MLP,
+                 eps: float) -> None:
+        self.input_norm, self.attn, self.post_norm, self.mlp, self.eps = input_norm, attn, post_norm, mlp, eps
+
+    def attn_inputs(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    blocks: list[slice], qkv_buf: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v (views of one [T, heads, head_dim] tensor) after norm, projection and RoPE;
+        with `qkv_buf`, computed block by block into it."""
+        if qkv_buf is None:
+            return self.attn.split(self.attn.roped_qkv(rms_norm(residual, self.input_norm, self.eps), cos, sin))
+        for blk in blocks:
+            qkv_buf[blk] = self.attn.roped_qkv(rms_norm(residual[blk], self.input_norm, self.eps),
+                                               cos[blk], sin[blk])
+        return self.attn.split(qkv_buf)
+
+    def attn_out_and_mlp(self, residual: torch.Tensor, o: torch.Tensor, mlp_comm=None) -> None:
+        """o-projection, post-attention norm and MLP, added into `residual` (rows of it) in place;
+        `mlp_comm` (attention-DP) gathers the MLP's input rows and reduce-scatters its output."""
+        residual.add_(self.attn.o_proj(o))
+        x = rms_norm(residual, self.post_norm, self.eps)
+        if mlp_comm is not None:
+            x = mlp_comm.gather(x)
+        out = self.mlp(x)
+        if mlp_comm is not None:
+            out = mlp_comm.reduce_scatter(out)
+        residual.add_(out)
+
+    def numel(self) -> int:
+        return self.input_norm.numel() + self.post_norm.numel() + self.attn.numel() + self.mlp.numel()

@@ -1,0 +1,79 @@
+"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), told
+apart by ModelConfig flags; the lm_head is tied to the embedding or separate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.models.base import CausalLM, Weights, register_model
+from engine.models.layers import MLP, Attention, DecoderLayer, GatedMLP, RoPE, rms_norm, row_blocks
+from kernels.cpu_linear import Linear
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+class LlamaForCausalLM(CausalLM):
+    """Embedding, pre-norm decoder layers, final norm, lm_head. A model that differs only in its
+    MLP (MoE) subclasses this and overrides `make_mlp`."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
+                 onednn: bool = False) -> None:
+        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, onednn)
+        w = Weights(weights, dtype, device)
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in w
+        self.lm_head = Linear(self.embed if self.tied else w("lm_head.weight"), onednn=onednn)
+        self.layers = [
+            DecoderLayer(w(p + "input_layernorm.weight"), self.make_attention(w, p, onednn),
+                         w(p + "post_attention_layernorm.weight"), self.make_mlp(w, p, mlp_shard, onednn),
+                         cfg.rms_norm_eps)
+            for p in (f"model.layers.{i}." for i in range(cfg.num_hidden_layers))
+        ]
+        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, dtype, device)
+
+    def make_attention(self, w: Weights, p: str, onednn: bool) -> Attention:
+        cfg = self.cfg
+        bias = torch.cat([w(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]) if cfg.attention_bias else None
+        qkv = Linear(torch.cat([w(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]), bias, onednn=onednn)
+        o = Linear(w(p + "self_attn.o_proj.weight"), onednn=onednn)
+        q_norm, k_norm = ((w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight"))
+                          if cfg.qk_norm else (None, None))
+        return Attention(qkv, o, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.rms_norm_eps, q_norm, k_norm)
+
+    def make_mlp(self, w: Weights, p: str, mlp_shard: tuple[int, int], onednn: bool) -> MLP:
+        """The MLP slot of layer prefix `p`."""
+        return GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"),
+                        w(p + "mlp.down_proj.weight"), mlp_shard, onednn)
+
+    def num_parameters(self) -> int:
+        n = self.embed.numel() + self.norm.numel() + (0 if self.tied else self.lm_head.numel())
+        return n + sum(layer.numel() for layer in self.layers)
+
+    def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
+        """Hidden states of the tokens at fb.last_token_indices -> logits [bs, vocab]."""
+        h = F.embedding(fb.input_ids, self.embed)
+        cos, sin = self.rope(fb.positions)
+        T = h.shape[0]
+        residual = h  # a fresh tensor: updated in place below
+        blocks = row_blocks(T, self.device)
+        # Blocked: one q/k/v buffer per forward, filled block by block (not a new one per layer:
+        # first-touch page faults on a fresh buffer cost as much as the RoPE itself).
+        qkv_buf = None
+        if len(blocks) > 1:
+            qkv_buf = h.new_empty(T, self.layers[0].attn.qkv_heads, self.cfg.head_dim)
+        tail_blocks = blocks if self.mlp_comm is None else [slice(None)]  # attention-DP's MLP needs all rows
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attn_inputs(residual, cos, sin, blocks, qkv_buf)
+            o = attn.forward(q, k, v, i, fb).reshape(T, self.q_size)
+            for blk in tail_blocks:
+                layer.attn_out_and_mlp(residual[blk], o[blk], self.mlp_comm)
+        h = rms_norm(residual[fb.last_token_indices], self.norm, self.cfg.rms_norm_eps)
+        return self.lm_head(h)
