@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+from actors.stats import DPGroupStats
+
 
 class DPCoordinator:
     def __init__(self, group_id: int, size: int) -> None:
@@ -54,6 +56,6 @@ class DPCoordinator:
             h.signal_wave.remote(self.wave)
         return self.wave
 
-    def stats(self) -> dict:
-        return {"group": self.group_id, "epoch": self.epoch, "waves_started": self.wave,
-                "members": sorted(self.joined), "restarts": self.restarts}
+    def stats(self) -> DPGroupStats:
+        return DPGroupStats(group=self.group_id, epoch=self.epoch, waves_started=self.wave,
+                            members=sorted(self.joined), restarts=self.restarts)

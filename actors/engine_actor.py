@@ -14,8 +14,10 @@ from collections import deque
 import ray
 
 from actors.protocol import EngineInfo, decode_request, encode, encode_batch
+from actors.stats import DPMemberStats, EngineActorStats
 from engine import Engine, EngineConfig, InvalidRequestError, StreamDelta
 from engine.cache_manager import KVEvent
+from engine.engine import EngineStats
 from engine.logs import log_to_stderr
 
 MAX_PENDING_EVICTIONS = 4096
@@ -169,12 +171,13 @@ class EngineActor:
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
 
-    def stats(self) -> dict:
-        out = {**self.engine.stats(), "engine_id": self.engine_id, "healthy": self.engine.dead is None}
+    def stats(self) -> EngineActorStats:
+        dp = None
         if self.dp_loop is not None:
-            out["dp"] = {"rank": self.dp_loop.comm.rank, "waves": self.dp_loop.waves, "steps": self.dp_loop.steps,
-                         "collective_seconds": self.dp_loop.comm.collective_seconds}
-        return out
+            dp = DPMemberStats(rank=self.dp_loop.comm.rank, waves=self.dp_loop.waves, steps=self.dp_loop.steps,
+                               collective_seconds=self.dp_loop.comm.collective_seconds)
+        return EngineActorStats(engine_id=self.engine_id, healthy=self.engine.dead is None,
+                                engine=self.engine.stats(), dp=dp)
 
     def check_health(self) -> bool:
         if self._in_dp_group and self.dp_loop is None:
@@ -191,7 +194,7 @@ class EngineActor:
             out.append(self._evicted.popleft())
         return out
 
-    async def check_memory(self, timeout_s: float = 60.0) -> dict:
+    async def check_memory(self, timeout_s: float = 60.0) -> EngineStats:
         """Wait until the engine is idle, then check its memory invariant (raises if broken).
         Async: a blocking wait would hold the actor's event loop and starve abort() calls."""
         deadline = time.monotonic() + timeout_s

@@ -22,6 +22,7 @@ import time
 import ray
 
 from cluster import Cluster, ClusterConfig
+from cluster.stats import ClusterStats
 from engine import SamplingParams
 from engine.bench import BENCH_ARCH, bench_model_path, random_prompts
 
@@ -44,7 +45,7 @@ def tenant_workload(scale: float) -> tuple[list[list[int]], list[int]]:
     return prompts, [16] * n
 
 
-def run_cluster(cfg: ClusterConfig, prompts: list[list[int]], outs: list[int]) -> tuple[float, dict]:
+def run_cluster(cfg: ClusterConfig, prompts: list[list[int]], outs: list[int]) -> tuple[float, ClusterStats]:
     with Cluster(cfg) as cl:
         params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
         t0 = time.perf_counter()
@@ -79,8 +80,8 @@ def case_routing(path: str, scale: float) -> None:
     for policy in ("cache_aware", "round_robin"):
         dt, stats = run_cluster(engine_cfg(path, 2, policy, max_total_tokens=pool), prompts, outs)
         rates[policy] = total / dt
-        e = stats["engines"]
-        hits[policy] = sum(x["cached_tokens"] for x in e) / max(sum(x["prompt_tokens"] for x in e), 1)
+        e = [x.engine for x in stats.engines]
+        hits[policy] = sum(x.cached_tokens for x in e) / max(sum(x.prompt_tokens for x in e), 1)
     print(f"routing    cache_aware={rates['cache_aware']:,.1f} tok/s  round_robin={rates['round_robin']:,.1f} tok/s  "
           f"ratio={rates['cache_aware'] / rates['round_robin']:.2f}x  hit_rate cache_aware={hits['cache_aware']:.0%} "
           f"round_robin={hits['round_robin']:.0%} (floor 1.5x)", flush=True)
@@ -177,16 +178,17 @@ def case_dp(path: str, scale: float) -> None:
                 engine={"max_total_tokens": 16384})
     with Cluster(ClusterConfig(num_engines=1, **base)) as cl:
         dt = timed(cl, prompts[:per_engine])
-        single_step = dt / sum(cl.stats()["engines"][0]["batches_by_mode"].values())
+        single_step = dt / sum(cl.stats().engines[0].engine.batches_by_mode.values())
     with Cluster(ClusterConfig(num_engines=2, dp_attention=True, **base)) as cl:
         dt = timed(cl, prompts)
-        dp = [e["dp"] for e in cl.stats()["engines"]]
-        group_step = dt / dp[0]["steps"]
-        coll = sum(d["collective_seconds"] for d in dp) / len(dp) / dp[0]["steps"]
+        dp = [e.dp for e in cl.stats().engines]
+        group_step = dt / dp[0].steps
+        coll = sum(d.collective_seconds for d in dp) / len(dp) / dp[0].steps
     with Cluster(ClusterConfig(num_engines=2, dp_attention=True, **{**base, "routing": "least_load"})) as cl:
         for ids in prompts[:8]:  # one at a time: least_load always picks member 0
             cl.generate(input_ids=ids, sampling_params=params)
-        modes = [e["batches_by_mode"] for e in cl.stats()["engines"]]
+        # Only the modes that ran: the stats list every mode.
+        modes = [{m: n for m, n in e.engine.batches_by_mode.items() if n} for e in cl.stats().engines]
     print(f"dp         group_step={1e3 * group_step:.1f} ms  single_step={1e3 * single_step:.1f} ms  "
           f"ratio={group_step / single_step:.2f}x  collectives={1e3 * coll:.1f} ms/step  "
           f"one-sided: member0={modes[0]} member1={modes[1]}", flush=True)

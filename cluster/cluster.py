@@ -20,12 +20,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.dp_coordinator import DPCoordinator
 from actors.engine_actor import EngineActor
 from actors.protocol import EngineInfo, GenerateRequest, decode_delta_batch, encode
+from actors.stats import DPGroupStats, EngineActorStats
 from cluster.config import ClusterConfig
 from cluster.routing import Router
+from cluster.stats import ClusterStats
 from engine import GenerateOutput, SamplingParams, StreamDelta
 from engine.builtin_model import builtin_model_path
 from engine.config import ModelConfig
-from engine.engine import collect_output
+from engine.engine import EngineStats, collect_output
 from engine.errors import EngineDeadError, ErrorKind
 from engine.inputs import InputProcessor
 from engine.tokenizer import Tokenizer
@@ -127,7 +129,7 @@ class Cluster:
         return coords, [{"rank": i % size, "size": size, "coordinator": coords[i // size]}
                         for i in range(cfg.num_engines)]
 
-    def dp_stats(self) -> list[dict]:
+    def dp_stats(self) -> list[DPGroupStats]:
         return ray.get([c.stats.remote() for c in self.coordinators], timeout=10)
 
     # ---- health ----------------------------------------------------------------------------
@@ -321,33 +323,30 @@ class Cluster:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # ---- introspection ---------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> ClusterStats:
         refs = [a.stats.remote() for a in self.actors]
-        engines = []
+        engines: list[EngineActorStats] = []
         healthy = self.healthy()
         for i, ref in enumerate(refs):
             try:
                 s = ray.get(ref, timeout=10)
-                s["healthy"] = s.get("healthy", True) and healthy[i]
-            except Exception:
-                s = {"engine_id": i, "healthy": False, "waiting": 0, "running": 0, "kv_used": 0,
-                     "kv_total": self.infos[i].max_total_tokens, "cached_tokens": 0,
-                     "generated_tokens": 0, "batches_by_mode": {}}
+                s.healthy = s.healthy and healthy[i]  # its loop lives, and heartbeats agree
+            except Exception:  # unreachable: zeros, except the pool size we know from its info
+                s = EngineActorStats(engine_id=i, healthy=False,
+                                     engine=EngineStats(kv_total=self.infos[i].max_total_tokens))
             engines.append(s)
-        if self.coordinators:  # attention-DP: each engine shows its group's waves
+        dp_groups: list[DPGroupStats] = []
+        if self.coordinators:  # attention-DP: groups are runs of dp_group_size consecutive engines
             size = self.config.dp_group_size or self.config.num_engines
-            try:
-                groups = self.dp_stats()
-                for i, s in enumerate(engines):
-                    s["dp_group"] = i // size
-                    s["waves_started"] = groups[i // size]["waves_started"]
-            except Exception:
-                pass
+            for i, s in enumerate(engines):
+                s.dp_group = i // size
+            with contextlib.suppress(Exception):  # a restarting coordinator: the engines still report
+                dp_groups = self.dp_stats()
         with self._lock:
             routing = self.router.stats()
-        return {"engines": engines, "routing": routing}
+        return ClusterStats(engines=engines, routing=routing, dp_groups=dp_groups)
 
-    def check_memory(self) -> list[dict]:
+    def check_memory(self) -> list[EngineStats]:
         """Every engine's idle memory invariant (waits for idleness; raises if broken)."""
         return ray.get([a.check_memory.remote() for a in self.actors], timeout=120)
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, Protocol, get_args
 
+import msgspec
+
 RoutingName = Literal["round_robin", "least_load", "cache_aware"]
 POLICIES = get_args(RoutingName)
 
@@ -170,6 +172,12 @@ ROUTING_POLICIES: Mapping[str, Callable[[], RoutingPolicy]] = MappingProxyType(
     {"round_robin": RoundRobin, "least_load": LeastLoad, "cache_aware": CacheAware})
 
 
+class RoutingStats(msgspec.Struct, kw_only=True):
+    policy: str
+    decisions: list[int]  # requests sent to each engine
+    prefix_hit_rate: float  # prompt tokens matched in the router's trees / prompt tokens routed
+
+
 @dataclass
 class Router:
     """Engine loads and approximate prefix trees, shared by every policy."""
@@ -224,9 +232,9 @@ class Router:
             self.trees[engine] = PrefixTree(self.kv_capacity)  # a restarted engine starts cold
         self.loads[engine].healthy = healthy
 
-    def stats(self) -> dict:
-        return {
-            "policy": self.policy_name,
-            "decisions": [self.decisions[i] for i in range(self.num_engines)],
-            "prefix_hit_rate": self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-        }
+    def stats(self) -> RoutingStats:
+        return RoutingStats(
+            policy=self.policy_name,
+            decisions=[self.decisions[i] for i in range(self.num_engines)],
+            prefix_hit_rate=self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+        )

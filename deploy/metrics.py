@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.stats import ClusterStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -37,7 +41,7 @@ class ServerMetrics:
         self.ttft = Histogram()
         self.itl = Histogram()
 
-    def render(self, cluster_stats: dict) -> str:
+    def render(self, cluster_stats: ClusterStats) -> str:
         lines = ["# HELP radixray_requests_total Requests by final status.", "# TYPE radixray_requests_total counter"]
         for status in ("ok", "error", "aborted", "invalid"):
             lines.append(f'radixray_requests_total{{status="{status}"}} {self.requests[status]}')
@@ -49,17 +53,16 @@ class ServerMetrics:
         lines += self.ttft.render("radixray_time_to_first_token_seconds", "Time to first token.")
         lines += self.itl.render("radixray_inter_token_latency_seconds", "Time between streamed tokens.")
         gauges = {
-            "radixray_engine_waiting_requests": ("Requests queued in the engine.", lambda e: e.get("waiting", 0)),
-            "radixray_engine_running_requests": ("Requests decoding in the engine.", lambda e: e.get("running", 0)),
+            "radixray_engine_waiting_requests": ("Requests queued in the engine.", lambda e: e.engine.waiting),
+            "radixray_engine_running_requests": ("Requests decoding in the engine.", lambda e: e.engine.running),
             "radixray_engine_kv_usage_ratio": ("KV slots held by requests / total.",
-                                               lambda e: e.get("kv_used", 0) / max(e.get("kv_total", 1), 1)),
+                                               lambda e: e.engine.kv_used / max(e.engine.kv_total, 1)),
             "radixray_engine_cache_hit_rate": ("Prompt tokens served from the radix cache.",
-                                               lambda e: e.get("cached_tokens", 0) / max(e.get("prompt_tokens", 0), 1)),
-            "radixray_engine_healthy": ("1 when the engine answers health checks.",
-                                        lambda e: int(bool(e.get("healthy")))),
+                                               lambda e: e.engine.cached_tokens / max(e.engine.prompt_tokens, 1)),
+            "radixray_engine_healthy": ("1 when the engine answers health checks.", lambda e: int(e.healthy)),
         }
         for name, (help_text, get) in gauges.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-            for i, eng in enumerate(cluster_stats.get("engines", [])):
+            for i, eng in enumerate(cluster_stats.engines):
                 lines.append(f'{name}{{engine="{i}"}} {get(eng)}')
         return "\n".join(lines) + "\n"

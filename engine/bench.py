@@ -128,7 +128,8 @@ def case_prefix(path: str, scale: float) -> None:
     for disable in (False, True):
         eng = Engine(model_path=path, max_total_tokens=32768, disable_radix_cache=disable)
         rates[disable] = total / run_engine(eng, prompts, outs)
-        hit = eng.stats()["cached_tokens"] / eng.stats()["prompt_tokens"]
+        stats = eng.stats()
+        hit = stats.cached_tokens / stats.prompt_tokens
         del eng
         gc.collect()
         if not disable:
@@ -212,7 +213,7 @@ def case_overlap(path: str, scale: float) -> None:
     for overlap in (True, False):
         eng = Engine(model_path=path, max_total_tokens=16384, enable_overlap=overlap)
         rates[overlap] = sum(outs) / run_engine(eng, prompts, outs)
-        overlapped = overlapped or eng.stats()["overlapped_steps"]
+        overlapped = overlapped or eng.stats().overlapped_steps
         del eng
     line("overlap", "overlap_on", rates[True], "overlap_off", rates[False], "out tok/s",
          f"({overlapped} decode steps overlapped)")

@@ -24,6 +24,7 @@ import torch
 from engine.builtin_model import builtin_model_path
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, ErrorKind
+from engine.forward_batch import ForwardMode
 from engine.inputs import InputProcessor
 from engine.model_runner import ModelRunner
 from engine.req import Req
@@ -65,6 +66,27 @@ class GenerateOutput(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """One engine's queue, KV pool and lifetime counters. Every field has a default, so a
+    caller that cannot reach an engine reports one built from the defaults."""
+
+    waiting: int = 0  # queued requests, a chunked prefill in progress included
+    running: int = 0  # requests in the decode batch
+    kv_used: int = 0  # KV slots held by requests
+    kv_total: int = 0
+    kv_cached: int = 0  # KV slots in the radix cache (evictable, or locked by running requests)
+    cached_tokens: int = 0  # prompt tokens served from the radix cache
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    num_retracted: int = 0
+    num_aborted: int = 0
+    num_failed: int = 0  # requests ended by an engine-side error
+    num_received: int = 0  # requests that reached the loop (aborted early or not)
+    overlapped_steps: int = 0  # decode batches launched while the previous one still ran
+    # Batches run, by ForwardMode name; every mode is present (0 if none ran), so readers index it.
+    batches_by_mode: dict[str, int] = msgspec.field(default_factory=lambda: dict.fromkeys(ForwardMode.__members__, 0))
 
 
 class _Tracker:
@@ -375,24 +397,24 @@ class Engine:
         with self._step_lock:
             self.scheduler.check_memory()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         s = self.scheduler
-        return {
-            "waiting": len(s.waiting_queue) + (1 if s.chunked_req else 0),
-            "running": len(s.running_batch.reqs),
-            "kv_used": s.cache.used_size(),
-            "kv_total": s.cache.total_size,
-            "kv_cached": s.cache.cached_size(),
-            "cached_tokens": s.cached_tokens,
-            "prompt_tokens": s.prompt_tokens,
-            "generated_tokens": s.generated_tokens,
-            "num_retracted": s.num_retracted,
-            "num_aborted": s.num_aborted,
-            "num_failed": s.num_failed,
-            "num_received": self.num_received,
-            "overlapped_steps": s.overlapped_steps,
-            "batches_by_mode": dict(s.batches_by_mode),
-        }
+        return EngineStats(
+            waiting=len(s.waiting_queue) + (1 if s.chunked_req else 0),
+            running=len(s.running_batch.reqs),
+            kv_used=s.cache.used_size(),
+            kv_total=s.cache.total_size,
+            kv_cached=s.cache.cached_size(),
+            cached_tokens=s.cached_tokens,
+            prompt_tokens=s.prompt_tokens,
+            generated_tokens=s.generated_tokens,
+            num_retracted=s.num_retracted,
+            num_aborted=s.num_aborted,
+            num_failed=s.num_failed,
+            num_received=self.num_received,
+            overlapped_steps=s.overlapped_steps,
+            batches_by_mode={mode: s.batches_by_mode[mode] for mode in ForwardMode.__members__},
+        )
 
     def shutdown(self) -> None:
         self._stopping = True

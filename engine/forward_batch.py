@@ -52,11 +52,6 @@ class ForwardMode(IntEnum):
     def is_dllm_extend(self) -> bool:
         return self == ForwardMode.DLLM_EXTEND
 
-    def is_decode_or_idle(self) -> bool:
-        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
-
-    def is_supported(self) -> bool:
-        return self in SUPPORTED_MODES
 
 
 SUPPORTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE})

@@ -176,10 +176,6 @@ def _build():
         return None
 
 
-def build_error() -> str | None:
-    return _state.get("error")  # type: ignore[return-value]
-
-
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; attends over req_to_token[row, :seq_len] of each request."""

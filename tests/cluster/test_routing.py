@@ -112,7 +112,7 @@ def test_cache_aware_follows_the_prefix_until_imbalanced():
     assert r.pick(prompt + [2], 10) == first
     # 3 vs 0 requests in flight: past both thresholds, the least loaded engine wins.
     assert r.pick(prompt + [3], 10) == 1 - first
-    assert r.stats()["prefix_hit_rate"] == pytest.approx(200 / 403)  # two of four requests hit 100 tokens
+    assert r.stats().prefix_hit_rate == pytest.approx(200 / 403)  # two of four requests hit 100 tokens
 
 
 def test_unhealthy_and_excluded_engines_are_skipped():
@@ -151,4 +151,4 @@ def test_a_policy_is_a_class_with_choose():
             return candidates[-1]
 
     r = Router(Last(), 3)
-    assert r.pick([1], 1) == 2 and r.stats()["policy"] == "Last"
+    assert r.pick([1], 1) == 2 and r.stats().policy == "Last"

@@ -33,7 +33,7 @@ def test_overlap_matches_plain_and_hf(model_dirs, hf, name, scenario):
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert_matches_hf(eng, hf, path, ids, outs, n=24)
     if scenario == "retraction":
-        assert eng.stats()["num_retracted"] > 0
+        assert eng.stats().num_retracted > 0
     eng.check_memory()
 
 

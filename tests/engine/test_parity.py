@@ -42,7 +42,7 @@ def test_long_prefill_batch(model_dirs, hf):
     eng = Engine(model_path=model_dirs["llama"])
     ids = prompts(eng, 4, seed=6, lo=CPU_ROW_BLOCK // 2, hi=CPU_ROW_BLOCK // 2 + 40)
     outs = eng.generate(input_ids=ids, sampling_params=GREEDY)
-    assert eng.stats()["batches_by_mode"]["EXTEND"] == 1 and sum(map(len, ids)) > CPU_ROW_BLOCK
+    assert eng.stats().batches_by_mode["EXTEND"] == 1 and sum(map(len, ids)) > CPU_ROW_BLOCK
     assert_matches_hf(eng, hf, model_dirs["llama"], ids, outs)
     eng.check_memory()
 
@@ -88,7 +88,7 @@ def test_mixed_batches(model_dirs, hf, name):
     eng = Engine(model_path=model_dirs[name], enable_mixed_chunk=True, chunked_prefill_size=8)
     ids = prompts(eng, 8, seed=4, lo=10, hi=40)
     outs = run_staggered(eng, ids, GREEDY)
-    assert eng.stats()["batches_by_mode"].get("MIXED", 0) > 0
+    assert eng.stats().batches_by_mode["MIXED"] > 0
     assert_matches_hf(eng, hf, model_dirs[name], ids, outs)
     eng.check_memory()
 
@@ -114,7 +114,7 @@ def test_retraction_keeps_outputs(model_dirs, hf, name):
     ids = prompts(eng, 12, seed=7, lo=20, hi=40)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
     outs = eng.generate(input_ids=ids, sampling_params=params)
-    assert eng.stats()["num_retracted"] > 0
+    assert eng.stats().num_retracted > 0
     assert_matches_hf(eng, hf, model_dirs[name], ids, outs, n=24)
     eng.check_memory()
 

@@ -28,9 +28,9 @@ def test_two_engines_match_single_engine(ray_local, model_dirs):
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
         assert [o.text for o in outs] == [r.text for r in ref]
         stats = cl.stats()
-        assert [e["generated_tokens"] > 0 for e in stats["engines"]] == [True, True]
-        assert stats["routing"]["decisions"] == [4, 4]
-        assert all(e["healthy"] and e["batches_by_mode"]["DECODE"] > 0 for e in stats["engines"])
+        assert [e.engine.generated_tokens > 0 for e in stats.engines] == [True, True]
+        assert stats.routing.decisions == [4, 4]
+        assert all(e.healthy and e.engine.batches_by_mode["DECODE"] > 0 for e in stats.engines)
         # The actor's own per-request stream (a Ray streaming generator) gives the same tokens.
         ids = cl.inputs.tokenize(prompt=prompts[0])
         gen = cl.actors[1].generate.remote(encode(GenerateRequest(rid="direct-1", input_ids=ids,
@@ -39,7 +39,7 @@ def test_two_engines_match_single_engine(ray_local, model_dirs):
         assert [t for d in deltas for t in d.token_ids] == ref[0].token_ids
         assert deltas[-1].finish_reason == "length" and len(deltas) == len(ref[0].token_ids)
         for s in cl.check_memory():
-            assert s["kv_used"] == 0
+            assert s.kv_used == 0
 
 
 def _tenant_workload(n_tenants: int = 7, per: int = 4, prefix_len: int = 200, seed: int = 0):
@@ -60,8 +60,8 @@ def _hit_rate(policy: str, path: str) -> float:
             cl.generate(input_ids=wave, sampling_params=params)
         stats = cl.stats()
         cl.check_memory()
-    cached = sum(e["cached_tokens"] for e in stats["engines"])
-    prompt = sum(e["prompt_tokens"] for e in stats["engines"])
+    cached = sum(e.engine.cached_tokens for e in stats.engines)
+    prompt = sum(e.engine.prompt_tokens for e in stats.engines)
     return cached / prompt
 
 

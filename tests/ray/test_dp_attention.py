@@ -38,9 +38,10 @@ def test_group_matches_single_engine(ray_local, model_dirs, name):
         assert [o.token_ids for o in both] == [r.token_ids for r in ref]
         one = cl.generate(input_ids=ids[0], sampling_params=GREEDY)  # one member only
         assert one.token_ids == ref[0].token_ids
-        stats = cl.stats()["engines"]
-        assert sum(e["batches_by_mode"].get("IDLE", 0) for e in stats) > 0
-        assert all(e["dp"]["waves"] >= 1 and e["waves_started"] >= 1 and e["dp_group"] == 0 for e in stats)
+        stats = cl.stats()
+        assert sum(e.engine.batches_by_mode["IDLE"] for e in stats.engines) > 0
+        assert [e.dp_group for e in stats.engines] == [0, 0] and stats.dp_groups[0].waves_started >= 1
+        assert all(e.dp.waves >= 1 for e in stats.engines)
         cl.check_memory()
 
 
@@ -62,8 +63,8 @@ def test_prefill_beside_decode_and_chunked(ray_local, model_dirs):
 
         a, b = cl.run(run())
         assert a == ref_a.token_ids and b == ref_b.token_ids
-        modes = [e["batches_by_mode"] for e in cl.stats()["engines"]]
-        assert modes[1].get("EXTEND", 0) >= 120 // 16  # chunked on member 1
+        modes = [e.engine.batches_by_mode for e in cl.stats().engines]
+        assert modes[1]["EXTEND"] >= 120 // 16  # chunked on member 1
         cl.check_memory()
 
 
@@ -80,17 +81,17 @@ async def _collect(cl: Cluster, ids: list[int], params: SamplingParams,
 def test_no_steps_without_work_then_a_wave(ray_local, model_dirs):
     with dp_cluster(model_dirs["stories"]) as cl:
         cl.generate(prompt="Once upon a time", sampling_params=GREEDY)
-        waves = cl.dp_stats()[0]["waves_started"]
+        waves = cl.dp_stats()[0].waves_started
         deadline = time.monotonic() + 30  # every member has finished the waves it was given
-        while any(e["dp"]["waves"] < waves for e in cl.stats()["engines"]):
-            assert time.monotonic() < deadline, cl.stats()["engines"]
+        while any(e.dp.waves < waves for e in cl.stats().engines):
+            assert time.monotonic() < deadline, cl.stats().engines
             time.sleep(0.05)
-        before = [e["dp"]["steps"] for e in cl.stats()["engines"]]
+        before = [e.dp.steps for e in cl.stats().engines]
         time.sleep(2.0)  # the window in which an idle group must not step
-        assert [e["dp"]["steps"] for e in cl.stats()["engines"]] == before  # nobody spins
+        assert [e.dp.steps for e in cl.stats().engines] == before  # nobody spins
         cl.generate(prompt="The cat", sampling_params=GREEDY)
-        assert cl.dp_stats()[0]["waves_started"] > waves
-        assert all(e["dp"]["steps"] > b for e, b in zip(cl.stats()["engines"], before))
+        assert cl.dp_stats()[0].waves_started > waves
+        assert all(e.dp.steps > b for e, b in zip(cl.stats().engines, before))
         cl.check_memory()
 
 
@@ -106,12 +107,12 @@ def test_killed_member_restarts_the_group(ray_local, model_dirs):
         assert len(finals) == 4 and all(f.finish_reason in ("length", "abort") for f in finals)
         assert any(f.error for f in finals)  # the group went down under them: explicit errors
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (all(cl.healthy()) and cl.dp_stats()[0]["epoch"] >= 1
-                                                   and len(cl.dp_stats()[0]["members"]) == 2):
+        while time.monotonic() < deadline and not (all(cl.healthy()) and cl.dp_stats()[0].epoch >= 1
+                                                   and len(cl.dp_stats()[0].members) == 2):
             time.sleep(0.5)
-        assert all(cl.healthy()) and cl.dp_stats()[0]["restarts"] >= 1
+        assert all(cl.healthy()) and cl.dp_stats()[0].restarts >= 1
         again = cl.generate(prompt=["Once upon a time"] * 2, sampling_params=GREEDY)
-        assert [o.token_ids for o in again] == [ref.token_ids] * 2, ([o.error for o in again], cl.dp_stats(), [o.token_ids for o in again], ref.token_ids, cl.stats()["engines"])
+        assert [o.token_ids for o in again] == [ref.token_ids] * 2, ([o.error for o in again], cl.dp_stats(), [o.token_ids for o in again], ref.token_ids, cl.stats().engines)
         cl.check_memory()
 
 
@@ -121,7 +122,7 @@ def test_other_group_keeps_serving(ray_local, model_dirs):
     cfg = ClusterConfig(model_path=path, num_engines=4, dp_group_size=2, routing="round_robin", dp_attention=True,
                         request_timeout_s=120, health_check_period_s=0.5)
     with Cluster(cfg) as cl:
-        assert [g["members"] for g in cl.dp_stats()] == [[0, 1], [0, 1]], cl.dp_stats()
+        assert [g.members for g in cl.dp_stats()] == [[0, 1], [0, 1]], cl.dp_stats()
         ray.kill(cl.actors[0], no_restart=False)  # group 0 goes down...
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and cl.healthy()[0]:
@@ -132,5 +133,5 @@ def test_other_group_keeps_serving(ray_local, model_dirs):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not all(cl.healthy()):
             time.sleep(0.5)
-        assert all(cl.healthy()) and cl.dp_stats()[0]["restarts"] >= 1 and cl.dp_stats()[1]["restarts"] == 0
+        assert all(cl.healthy()) and cl.dp_stats()[0].restarts >= 1 and cl.dp_stats()[1].restarts == 0
         cl.check_memory()

@@ -16,8 +16,10 @@ import ray
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actors.stats import EngineActorStats
 from cluster.cluster import ACTOR_NAMESPACE
 from deploy.app import build_app
+from engine.engine import EngineStats
 
 pytestmark = pytest.mark.serve
 LONG = 1000  # max_tokens of a request meant to be cut short (the model's context is 1024)
@@ -35,11 +37,11 @@ def app(serve_base, model_dirs):
     serve.delete("hostile")
 
 
-def engine_stats(engines) -> list[dict]:
+def engine_stats(engines) -> list[EngineActorStats]:
     return ray.get([e.stats.remote() for e in engines], timeout=30)
 
 
-def assert_healthy_and_clean(base: str, engines) -> list[dict]:
+def assert_healthy_and_clean(base: str, engines) -> list[EngineStats]:
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0,
                                                     "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
@@ -179,16 +181,16 @@ def test_fuzzed_bodies_never_5xx(app, body, chat, short):
 def test_after_fuzzing_engines_are_healthy_and_idle(app):
     base, engines = app
     stats = assert_healthy_and_clean(base, engines)
-    assert all(s["running"] == 0 and s["waiting"] == 0 and s["kv_used"] == 0 for s in stats)
+    assert all(s.running == 0 and s.waiting == 0 and s.kv_used == 0 for s in stats)
 
 
 # ---- aborts that always happen ---------------------------------------------------------------
-def wait_idle(engines, within_s: float) -> list[dict]:
+def wait_idle(engines, within_s: float) -> list[EngineActorStats]:
     """Poll until no request is queued or running; fail if it takes longer than within_s."""
     deadline = time.monotonic() + within_s
     while True:
         stats = engine_stats(engines)
-        if all(s["running"] == 0 and s["waiting"] == 0 for s in stats):
+        if all(s.engine.running == 0 and s.engine.waiting == 0 for s in stats):
             return stats
         assert time.monotonic() < deadline, f"requests still running {within_s}s after the cancels: {stats}"
         time.sleep(0.1)
@@ -203,7 +205,7 @@ def test_abort_storm_of_client_timeouts(app):
     before, aborted_before = engine_stats(engines), metric(base, "aborted")
 
     def reached() -> int:
-        return sum(a["num_received"] - b["num_received"] for a, b in zip(engine_stats(engines), before))
+        return sum(a.engine.num_received - b.engine.num_received for a, b in zip(engine_stats(engines), before))
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         await client.post(f"{base}/v1/completions", json={"prompt": f"story {i}", "max_tokens": LONG,
@@ -222,9 +224,9 @@ def test_abort_storm_of_client_timeouts(app):
     outcomes = asyncio.run(storm())
     assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
     after = wait_idle(engines, within_s=10)
-    aborted = sum(a["num_aborted"] - b["num_aborted"] for a, b in zip(after, before))
-    received = sum(a["num_received"] - b["num_received"] for a, b in zip(after, before))
-    generated = sum(a["generated_tokens"] - b["generated_tokens"] for a, b in zip(after, before))
+    aborted = sum(a.engine.num_aborted - b.engine.num_aborted for a, b in zip(after, before))
+    received = sum(a.engine.num_received - b.engine.num_received for a, b in zip(after, before))
+    generated = sum(a.engine.generated_tokens - b.engine.generated_tokens for a, b in zip(after, before))
     assert received >= n // 2, f"only {received} of {n} requests reached an engine in 10 s"
     assert aborted == received, f"{received - aborted} of {received} cancelled requests ran on"
     assert generated < received * LONG // 2
@@ -285,8 +287,8 @@ def test_streams_that_disconnect_under_load(slow_app):
     finishes = asyncio.run(run())
     assert finishes == [None] * 12 + ["length"] * 4
     after = wait_idle(engines, within_s=10)
-    aborted = sum(a["num_aborted"] - b["num_aborted"] for a, b in zip(after, before))
-    generated = sum(a["generated_tokens"] - b["generated_tokens"] for a, b in zip(after, before))
+    aborted = sum(a.engine.num_aborted - b.engine.num_aborted for a, b in zip(after, before))
+    generated = sum(a.engine.generated_tokens - b.engine.generated_tokens for a, b in zip(after, before))
     assert aborted == 12 and generated < 12 * LONG // 2, (aborted, generated, before, after)
     assert_healthy_and_clean(base, engines)
 

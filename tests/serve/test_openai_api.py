@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from cluster.cluster import ACTOR_NAMESPACE
 from deploy.app import build_app
+from engine.engine import EngineStats
 
 pytestmark = pytest.mark.serve
 KEY = "sk-test-radixray"
@@ -40,7 +41,7 @@ def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
 
 
-def engines_idle_and_clean(engines) -> list[dict]:
+def engines_idle_and_clean(engines) -> list[EngineStats]:
     return ray.get([e.check_memory.remote() for e in engines], timeout=120)
 
 
@@ -193,7 +194,7 @@ def test_load_256_concurrent_streams(server):
     assert all(r[2] == "length" for r in results)
     assert [r[3] for r in results] == [16 + i % 48 for i in range(256)]  # none lost, none duplicated
     stats = engines_idle_and_clean(server[1])
-    assert all(s["kv_used"] == 0 and s["running"] == 0 for s in stats)
+    assert all(s.kv_used == 0 and s.running == 0 for s in stats)
     # 48 rows and a 700-token pool per engine cannot take 128 streams at once: requests queued.
     assert most_waiting > 0
 
@@ -226,10 +227,10 @@ def test_client_disconnect_aborts(lonely):
                 next(lines)
         # leaving the block closes the connection mid-stream
     after = engines_idle_and_clean(engines)
-    aborted = sum(s["num_aborted"] for s in after) - sum(s["num_aborted"] for s in before)
-    generated = sum(s["generated_tokens"] for s in after) - sum(s["generated_tokens"] for s in before)
+    aborted = sum(s.num_aborted for s in after) - sum(s.num_aborted for s in before)
+    generated = sum(s.generated_tokens for s in after) - sum(s.generated_tokens for s in before)
     assert aborted == 1 and generated < 2000, f"the disconnect did not abort the request ({aborted}, {generated})"
-    assert all(s["kv_used"] == 0 and s["running"] == 0 for s in after)
+    assert all(s.kv_used == 0 and s.running == 0 for s in after)
 
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)

@@ -1,0 +1,36 @@
+"""Stats structs the actors return (pickled by Ray like any return value)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.engine import EngineStats
+
+
+class DPMemberStats(msgspec.Struct, kw_only=True):
+    """One attention-DP member's lock-step loop."""
+
+    rank: int
+    waves: int  # waves this member has run
+    steps: int  # group steps (forwards in lock-step) it took part in
+    collective_seconds: float  # time spent in the group's collectives
+
+
+class EngineActorStats(msgspec.Struct, kw_only=True):
+    """One engine actor: its engine's stats plus what only the actor (or the cluster) knows."""
+
+    engine_id: int
+    healthy: bool
+    engine: EngineStats
+    dp: DPMemberStats | None = None  # attention-DP member only
+    dp_group: int | None = None  # attention-DP: index of its group, set by the cluster
+
+
+class DPGroupStats(msgspec.Struct, kw_only=True):
+    """One attention-DP group, as its coordinator sees it."""
+
+    group: int
+    epoch: int  # bumped on every gang restart
+    waves_started: int
+    members: list[int]  # ranks joined in this epoch
+    restarts: int
