@@ -13,7 +13,14 @@ from collections import deque
 
 import ray
 
-from actors.protocol import EngineInfo, decode_request, encode, encode_batch
+from actors.protocol import (
+    EngineInfo,
+    KVEventBatch,
+    KVSnapshot,
+    decode_request,
+    encode,
+    encode_batch,
+)
 from actors.stats import DPMemberStats, EngineActorStats
 from engine import Engine, EngineConfig, InvalidRequestError, StreamDelta
 from engine.cache_manager import KVEvent
@@ -21,6 +28,9 @@ from engine.engine import EngineStats
 from engine.logs import log_to_stderr
 
 MAX_PENDING_EVICTIONS = 4096
+# KV events buffered for the kv_events() stream; past this the consumer is too slow: the buffer
+# is dropped and the consumer, seeing a gap in the sequence, resyncs from a snapshot.
+MAX_PENDING_KV_EVENTS = 65536
 
 
 def _invalid(rid: str, prompt_tokens: int, error: InvalidRequestError) -> StreamDelta:
@@ -46,6 +56,15 @@ class EngineActor:
         self._outbox_lock = threading.Lock()
         self._outbox_ready = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The KV event stream (kv_events()): numbered from 1 per actor instance, buffered only
+        # once someone reads it. Engine thread appends; the actor's loop drains.
+        self._kv_seq = 0
+        self._kv_batches: list[tuple[int, list[KVEvent]]] = []  # (first seq, consecutive events)
+        self._kv_pending = 0
+        self._kv_streaming = False
+        self._kv_drop = 0  # fault injection (tests): lose this many events
+        self._kv_lock = threading.Lock()
+        self._kv_ready = asyncio.Event()
         # Attention-DP: the epoch this member joined, and the oldest epoch it may still serve.
         self._in_dp_group = dp is not None
         self._dp_epoch: int | None = None
@@ -131,8 +150,52 @@ class EngineActor:
                 self.engine.abort(req.rid, "caller went away")
 
     def _on_kv_event(self, event: KVEvent) -> None:
+        """Engine thread, under the step lock (so kv_snapshot() sees a consistent seq)."""
         if event.kind == "removed":
             self._evicted.append(event.token_ids)
+        with self._kv_lock:
+            self._kv_seq += 1
+            if not self._kv_streaming:
+                return
+            if self._kv_drop:
+                self._kv_drop -= 1
+                return
+            if self._kv_pending >= MAX_PENDING_KV_EVENTS:
+                self._kv_batches, self._kv_pending = [], 0
+            if not self._kv_batches:
+                self._loop.call_soon_threadsafe(self._kv_ready.set)
+            last = self._kv_batches[-1] if self._kv_batches else None
+            if last is not None and last[0] + len(last[1]) == self._kv_seq:
+                last[1].append(event)
+            else:  # the first, or the first after a gap
+                self._kv_batches.append((self._kv_seq, [event]))
+            self._kv_pending += 1
+
+    async def kv_events(self):
+        """The engine's KV events (what its prefix cache stores and evicts), numbered, batched:
+        one KVEventBatch per wake-up. A reader resyncs with kv_snapshot() after any gap."""
+        self._loop = self._loop or asyncio.get_running_loop()
+        with self._kv_lock:
+            self._kv_streaming = True
+        while True:
+            await self._kv_ready.wait()
+            with self._kv_lock:
+                batches, self._kv_batches, self._kv_pending = self._kv_batches, [], 0
+                self._kv_ready.clear()
+            for first, events in batches:
+                yield encode(KVEventBatch(self.incarnation, first, events))
+
+    def kv_snapshot(self) -> bytes:
+        """Everything the cache holds now and the seq of the last event it reflects."""
+        with self.engine.between_steps():  # no step mutates the tree meanwhile
+            with self._kv_lock:
+                seq = self._kv_seq
+            return encode(KVSnapshot(self.incarnation, seq, self.engine.scheduler.cache.snapshot()))
+
+    def debug_drop_kv_events(self, n: int) -> None:
+        """Fault injection for tests: the next n KV events are lost (the reader sees a gap)."""
+        with self._kv_lock:
+            self._kv_drop += n
 
     def _to_outbox(self, delta: StreamDelta) -> None:
         """Engine-thread sink: one wake-up per burst of deltas, not one per delta."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from engine import SamplingParams, StreamDelta
+from engine.cache_manager import KVEvent
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):
@@ -23,6 +24,22 @@ class EngineInfo(msgspec.Struct, frozen=True):
     pid: int
 
 
+class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):
+    """Events `first_seq`, `first_seq + 1`, ... of one engine actor instance (`incarnation`)."""
+
+    incarnation: str
+    first_seq: int
+    events: list[KVEvent]
+
+
+class KVSnapshot(msgspec.Struct, frozen=True, array_like=True):
+    """Everything an engine's cache held after its event `seq`: its leaves' token paths."""
+
+    incarnation: str
+    seq: int
+    paths: list[list[int]]
+
+
 _request_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
 _delta_decoder = msgspec.msgpack.Decoder(StreamDelta)
@@ -39,6 +56,18 @@ def decode_request(data: bytes) -> GenerateRequest:
 
 def decode_delta(data: bytes) -> StreamDelta:
     return _delta_decoder.decode(data)
+
+
+_kv_batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_kv_snapshot_decoder = msgspec.msgpack.Decoder(KVSnapshot)
+
+
+def decode_kv_batch(data: bytes) -> KVEventBatch:
+    return _kv_batch_decoder.decode(data)
+
+
+def decode_kv_snapshot(data: bytes) -> KVSnapshot:
+    return _kv_snapshot_decoder.decode(data)
 
 
 def decode_delta_batch(data: bytes) -> list[StreamDelta]:

@@ -4,6 +4,10 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
   scale     the engine bench's mixed workload: 2 engines vs 1 engine (output tokens/s).
   routing   multi-tenant shared prefixes (8 x 512-token prefixes, 64 requests), engines whose KV
             holds about half of the prefixes: cache_aware vs round_robin (total tokens/s, hit rates).
+  churn     routing under KV churn: 16 tenants' 384-token prefixes (Zipf popularity), 96 requests,
+            8 in flight, engines whose KV holds about 3 prefixes each, so they keep evicting:
+            kv_events (exact, from the engines' KV events) vs cache_aware (approximate tree) vs
+            round_robin: the engines' actual hit rate, throughput, TTFT p50/p90.
   http      the same requests streamed through Ray Serve's HTTP app vs the Cluster in Python:
             throughput and time to first visible text (median, p99).
   dp        attention-DP: step time of a 2-engine lock-step group vs one engine at the same
@@ -43,6 +47,15 @@ def tenant_workload(scale: float) -> tuple[list[list[int]], list[int]]:
     rng.shuffle(order)
     prompts = [prefixes[t] + random_prompts(1, 16, 16, BENCH_ARCH["vocab_size"], rng)[0] for t in order]
     return prompts, [16] * n
+
+
+def churn_workload(scale: float) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(5)
+    tenants, plen, n = 16, max(64, int(384 * scale)), max(24, int(96 * scale))
+    prefixes = random_prompts(tenants, plen, plen, BENCH_ARCH["vocab_size"], rng)
+    order = rng.choices(range(tenants), weights=[1 / (k + 1) for k in range(tenants)], k=n)
+    prompts = [prefixes[t] + random_prompts(1, 16, 16, BENCH_ARCH["vocab_size"], rng)[0] for t in order]
+    return prompts, [64] * n
 
 
 def run_cluster(cfg: ClusterConfig, prompts: list[list[int]], outs: list[int]) -> tuple[float, ClusterStats]:
@@ -85,6 +98,43 @@ def case_routing(path: str, scale: float) -> None:
     print(f"routing    cache_aware={rates['cache_aware']:,.1f} tok/s  round_robin={rates['round_robin']:,.1f} tok/s  "
           f"ratio={rates['cache_aware'] / rates['round_robin']:.2f}x  hit_rate cache_aware={hits['cache_aware']:.0%} "
           f"round_robin={hits['round_robin']:.0%} (floor 1.5x)", flush=True)
+
+
+def case_churn(path: str, scale: float) -> None:
+    prompts, outs = churn_workload(scale)
+    pool = int(len(prompts[0]) * 3.5)
+    total = sum(len(p) for p in prompts) + sum(outs)
+    in_flight = 16
+    results = {}
+
+    async def stream_all(cl: Cluster) -> tuple[float, list[float]]:
+        gate = asyncio.Semaphore(in_flight)
+
+        async def one(ids: list[int], n: int) -> float:
+            async with gate:
+                t0, first = time.perf_counter(), None
+                params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+                async for d in cl.stream_ids(ids, params):
+                    if first is None and d.token_ids:
+                        first = time.perf_counter() - t0
+                return first
+
+        t0 = time.perf_counter()
+        ttfts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outs)))
+        return time.perf_counter() - t0, list(ttfts)
+
+    for policy in ("kv_events", "cache_aware", "round_robin"):
+        with Cluster(engine_cfg(path, 2, policy, max_total_tokens=pool)) as cl:
+            dt, ttfts = cl.run(stream_all(cl))
+            engines = [e.engine for e in cl.stats().engines]
+            cl.check_memory()
+        hit = sum(e.cached_tokens for e in engines) / max(sum(e.prompt_tokens for e in engines), 1)
+        results[policy] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
+    line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
+                     for p, r in results.items())
+    exact, approx = results["kv_events"], results["cache_aware"]
+    print(f"churn      {line}  |  hit kv_events - cache_aware = {100 * (exact[1] - approx[1]):+.0f} points "
+          f"(floor +10)  ttft_p90 kv_events / cache_aware = {exact[3] / approx[3]:.2f}x (ceiling 0.8x)", flush=True)
 
 
 def _percentile(xs: list[float], p: float) -> float:
@@ -194,13 +244,13 @@ def case_dp(path: str, scale: float) -> None:
           f"one-sided: member0={modes[0]} member1={modes[1]}", flush=True)
 
 
-CASES = {"scale": case_scale, "routing": case_routing, "http": case_http, "dp": case_dp}
+CASES = {"scale": case_scale, "routing": case_routing, "churn": case_churn, "http": case_http, "dp": case_dp}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="scale,routing,http,dp", help=f"comma list of {list(CASES)}")
+    ap.add_argument("--cases", default="scale,routing,churn,http,dp", help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     path = bench_model_path()

@@ -18,6 +18,7 @@ HELP = {  # where the default says too little
     "address": "Ray address (default: $RAY_ADDRESS, else a new local cluster)",
     "max_total_tokens": "KV slots per engine (default: from the memory budget)",
     "request_timeout_s": "end a request after this many seconds (default: 600)",
+    "routing_options": 'the routing policy\'s fields as JSON, e.g. \'{"load_weight": 0.2}\' for kv_events',
 }
 
 
@@ -27,7 +28,7 @@ def _scalar(t: msgspec.inspect.Type) -> msgspec.inspect.Type | None:
         members = [m for m in t.types if not isinstance(m, msgspec.inspect.NoneType)]
         return _scalar(members[0]) if len(members) == 1 else None
     kinds = (msgspec.inspect.BoolType, msgspec.inspect.IntType, msgspec.inspect.FloatType,
-             msgspec.inspect.StrType, msgspec.inspect.LiteralType)
+             msgspec.inspect.StrType, msgspec.inspect.LiteralType, msgspec.inspect.DictType)
     return t if isinstance(t, kinds) else None
 
 
@@ -50,6 +51,9 @@ def add_struct_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tup
             parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
         elif isinstance(t, msgspec.inspect.LiteralType):
             parser.add_argument(flag, dest=f.name, choices=list(t.values), default=None, help=help_text)
+        elif isinstance(t, msgspec.inspect.DictType):  # a JSON object, e.g. '{"load_weight": 0.2}'
+            parser.add_argument(flag, dest=f.name, type=msgspec.json.decode, default=None,
+                                help=HELP.get(f.name, "a JSON object"))
         else:
             kind = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(t), str)
             parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)

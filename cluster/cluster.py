@@ -19,7 +19,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.dp_coordinator import DPCoordinator
 from actors.engine_actor import EngineActor
-from actors.protocol import EngineInfo, GenerateRequest, decode_delta_batch, encode
+from actors.protocol import (
+    EngineInfo,
+    GenerateRequest,
+    decode_delta_batch,
+    decode_kv_batch,
+    decode_kv_snapshot,
+    encode,
+)
 from actors.stats import DPGroupStats, EngineActorStats
 from cluster.config import ClusterConfig
 from cluster.routing import Router
@@ -106,7 +113,8 @@ class Cluster:
         self.inputs = InputProcessor(self.tokenizer, model_cfg.vocab_size,
                                      min(i.max_context_len for i in self.infos),
                                      min(i.max_total_tokens for i in self.infos))
-        self.router = Router(cfg.routing, cfg.num_engines, kv_capacity=min(i.max_total_tokens for i in self.infos))
+        self.router = Router(cfg.routing, cfg.num_engines, kv_capacity=min(i.max_total_tokens for i in self.infos),
+                             policy_options=cfg.routing_options)
         self._lock = threading.Lock()  # guards the router (request loops and the health thread)
         self._where: dict[str, int] = {}  # request id -> engine, while in flight
         self._incarnation: dict[str, str] = {}  # request id -> the engine instance that took it
@@ -116,6 +124,9 @@ class Cluster:
         self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
         self._health.start()
         self.wait_healthy(timeout_s=600)  # attention-DP members are healthy once their group has formed
+        if self.router.exact:  # the index follows every engine's cache from the start
+            with self._lock:
+                self._start_consumers()
 
     @staticmethod
     def _make_dp_groups(cfg: ClusterConfig) -> tuple[list, list[dict | None]]:
@@ -232,7 +243,7 @@ class Cluster:
                     if not finished:  # cancelled, timed out, or given up on: free its KV there
                         self.actors[idx].abort.remote(rid)  # (a no-op on a dead actor)
                     with self._lock:
-                        self.router.done(idx, cost)
+                        self.router.done(idx, cost, input_ids)
                 queue = asyncio.Queue()
         finally:
             timer.cancel()
@@ -244,14 +255,44 @@ class Cluster:
             self._subs[rid] = (idx, loop, queue)
             self._where[rid] = idx
             if not self._consumers:  # under the lock: started exactly once
-                self._consumers = [asyncio.run_coroutine_threadsafe(self._consume(i), self._loop)
-                                   for i in range(len(self.actors))]
+                self._start_consumers()
 
     def _unsubscribe(self, rid: str) -> None:
         with self._lock:
             self._subs.pop(rid, None)
             self._where.pop(rid, None)
             self._incarnation.pop(rid, None)
+
+    def _start_consumers(self) -> None:
+        """Under self._lock: the per-engine output readers and, for exact routing, KV event readers."""
+        if self._consumers:
+            return
+        coros = [self._consume(i) for i in range(len(self.actors))]
+        if self.router.exact:
+            coros += [self._follow_kv(i) for i in range(len(self.actors))]
+        self._consumers = [asyncio.run_coroutine_threadsafe(c, self._loop) for c in coros]
+
+    async def _follow_kv(self, i: int) -> None:
+        """Keep the routing index's view of engine i exact: apply its KV events in order, resync
+        from a snapshot after a gap, a restart or at the start; clear it while the engine is gone."""
+        index = self.router.kv_index
+        while not self._closed.is_set():
+            try:
+                async for ref in self.actors[i].kv_events.remote():
+                    batch = decode_kv_batch(await ref)
+                    with self._lock:
+                        in_sync = index.apply(i, batch)
+                    if not in_sync:
+                        snapshot = decode_kv_snapshot(await self.actors[i].kv_snapshot.remote())
+                        with self._lock:
+                            index.reset(i, snapshot)
+            except Exception as e:  # the engine died or is restarting
+                if self._closed.is_set():
+                    return
+                log.warning("KV event stream of engine %d broke: %s", i, type(e).__name__)
+            with self._lock:
+                index.clear(i)
+            await asyncio.sleep(0.2)
 
     def _deliver(self, rid: str, item: Any, engine: int) -> None:
         """Hand engine `engine`'s item to the request, if the request is still on that engine."""

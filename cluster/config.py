@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from cluster.routing import POLICIES, RoutingName
+from cluster.routing import POLICIES, ROUTING_POLICIES, RoutingName
 from engine import EngineConfig
 from engine.config import build_config
 from engine.errors import ConfigError
@@ -19,6 +19,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     model_path: str | None = None
     num_engines: int = 1
     routing: RoutingName = "cache_aware"
+    # The routing policy's fields, e.g. {"prefill_weight": 1.0, "load_weight": 0.1} for kv_events.
+    routing_options: dict[str, float] = {}
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the Ray cluster has GPUs
     cpus_per_engine: float = 1.0
     torch_threads_per_engine: int | None = None  # default: cpus_per_engine rounded up
@@ -36,6 +38,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ConfigError("num_engines must be >= 1")
         if self.routing not in POLICIES:
             raise ConfigError(f"routing must be one of {POLICIES}, got {self.routing!r}")
+        try:
+            ROUTING_POLICIES[self.routing](**self.routing_options)
+        except TypeError as e:
+            raise ConfigError(f"routing_options do not fit routing={self.routing!r}: {e}") from None
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ConfigError(f"placement_strategy {self.placement_strategy!r} is not a Ray strategy")
         if self.device not in ("auto", "cpu", "cuda"):

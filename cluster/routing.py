@@ -1,9 +1,12 @@
 """Routing policies: which engine gets a (tokenized) request.
 
+`kv_events` routes on what each engine's cache holds, exactly (cluster/kv_index.py, fed by the
+engines' KV events): each engine costs prefill_weight x the prompt tokens it would compute plus
+load_weight x the tokens in flight on it, and the cheapest wins (Dynamo's KV router cost).
 `cache_aware` keeps, per engine, an approximate radix tree of the prompts it was sent (token
-level), trimmed LRU to the engine's KV capacity and corrected by the engines' own eviction
-events. A request goes to the engine with the longest cached prefix unless the load is
-imbalanced beyond a threshold, then to the least loaded engine."""
+level), trimmed LRU to the engine's KV capacity and corrected by the engines' eviction events;
+a request goes to the engine with the longest match unless the load is imbalanced beyond a
+threshold, then to the least loaded engine. `round_robin` and `least_load` ignore the cache."""
 
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ from typing import Literal, Protocol, get_args
 
 import msgspec
 
-RoutingName = Literal["round_robin", "least_load", "cache_aware"]
+from cluster.kv_index import KVIndex, KVIndexStats
+
+RoutingName = Literal["round_robin", "least_load", "cache_aware", "kv_events"]
 POLICIES = get_args(RoutingName)
 
 
@@ -167,15 +172,36 @@ class CacheAware:
         return best
 
 
-# The policies by the name ClusterConfig.routing takes; a new policy is a class and a line here.
-ROUTING_POLICIES: Mapping[str, Callable[[], RoutingPolicy]] = MappingProxyType(
-    {"round_robin": RoundRobin, "least_load": LeastLoad, "cache_aware": CacheAware})
+@dataclass
+class KVEvents:
+    """Exact prefix routing: the cheapest engine, by prefill_weight x uncached prompt tokens
+    (from the engines' own KV events) + load_weight x tokens in flight (prompt + max output)."""
+
+    prefill_weight: float = 1.0
+    load_weight: float = 0.1
+
+    def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
+        def cost(i: int) -> tuple[float, int, int]:
+            uncached = len(input_ids) - router.kv_index.match_with_in_flight(i, input_ids)
+            load = router.loads[i]
+            return self.prefill_weight * uncached + self.load_weight * load.tokens, load.requests, i
+
+        return min(candidates, key=cost)
+
+
+# The policies by the name ClusterConfig.routing takes (their fields: ClusterConfig.routing_options);
+# a new policy is a class and a line here.
+ROUTING_POLICIES: Mapping[str, Callable[..., RoutingPolicy]] = MappingProxyType(
+    {"round_robin": RoundRobin, "least_load": LeastLoad, "cache_aware": CacheAware, "kv_events": KVEvents})
 
 
 class RoutingStats(msgspec.Struct, kw_only=True):
     policy: str
     decisions: list[int]  # requests sent to each engine
-    prefix_hit_rate: float  # prompt tokens matched in the router's trees / prompt tokens routed
+    # Prompt tokens the chosen engine held, by the router's view (the exact index for kv_events,
+    # the approximate trees otherwise) / prompt tokens routed.
+    prefix_hit_rate: float
+    kv_index: KVIndexStats
 
 
 @dataclass
@@ -185,6 +211,7 @@ class Router:
     policy: str | RoutingPolicy
     num_engines: int
     kv_capacity: int = 1 << 16
+    policy_options: Mapping[str, float] = field(default_factory=dict)
     loads: list[EngineLoad] = field(default_factory=list)
     decisions: Counter = field(default_factory=Counter)
     matched_tokens: int = 0
@@ -195,9 +222,11 @@ class Router:
         if isinstance(self.policy, str):
             if self.policy not in ROUTING_POLICIES:
                 raise ValueError(f"routing must be one of {POLICIES}, got {self.policy!r}")
-            self.policy = ROUTING_POLICIES[self.policy]()
+            self.policy = ROUTING_POLICIES[self.policy](**self.policy_options)
+        self.exact = isinstance(self.policy, KVEvents)
         self.loads = [EngineLoad() for _ in range(self.num_engines)]
         self.trees = [PrefixTree(self.kv_capacity) for _ in range(self.num_engines)]
+        self.kv_index = KVIndex(self.num_engines)
 
     def healthy(self) -> list[int]:
         return [i for i, ld in enumerate(self.loads) if ld.healthy]
@@ -211,17 +240,24 @@ class Router:
         if not candidates:
             return None
         choice = self.policy.choose(self, input_ids, candidates)
-        self.matched_tokens += self.trees[choice].match(input_ids)
+        if self.exact:
+            self.matched_tokens += self.kv_index.match_with_in_flight(choice, input_ids)
+            self.kv_index.in_flight[choice].add(input_ids)
+        else:
+            self.matched_tokens += self.trees[choice].match(input_ids)
+            self.trees[choice].insert(input_ids)
         self.prompt_tokens += len(input_ids)
-        self.trees[choice].insert(input_ids)
         self.decisions[choice] += 1
         self.loads[choice].requests += 1
         self.loads[choice].tokens += cost
         return choice
 
-    def done(self, engine: int, cost: int) -> None:
+    def done(self, engine: int, cost: int, input_ids: list[int] | None = None) -> None:
+        """The request picked for `engine` ended (input_ids: its prompt, for exact routing)."""
         self.loads[engine].requests -= 1
         self.loads[engine].tokens -= cost
+        if self.exact and input_ids is not None:
+            self.kv_index.in_flight[engine].discard(input_ids)
 
     def evicted(self, engine: int, paths: list[list[int]]) -> None:
         for p in paths:
@@ -237,4 +273,5 @@ class Router:
             policy=self.policy_name,
             decisions=[self.decisions[i] for i in range(self.num_engines)],
             prefix_hit_rate=self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            kv_index=self.kv_index.stats(),
         )

@@ -65,4 +65,22 @@ class ServerMetrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
             for i, eng in enumerate(cluster_stats.engines):
                 lines.append(f'{name}{{engine="{i}"}} {get(eng)}')
+        routing, index = cluster_stats.routing, cluster_stats.routing.kv_index
+        per_engine = {
+            "radixray_routing_decisions_total": ("counter", "Requests routed to the engine.", routing.decisions),
+            "radixray_kv_events_applied_total": ("counter", "The engine's KV events applied to the routing index.",
+                                                 index.events_applied),
+            "radixray_kv_index_resyncs_total": ("counter", "Snapshots that resynced the routing index (gaps, restarts).",
+                                                index.resyncs),
+        }
+        for name, (kind, help_text, values) in per_engine.items():
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f'{name}{{engine="{i}"}} {v}' for i, v in enumerate(values)]
+        engines = [e.engine for e in cluster_stats.engines]
+        actual = sum(e.cached_tokens for e in engines) / max(sum(e.prompt_tokens for e in engines), 1)
+        lines += ["# HELP radixray_prefix_hit_rate Prompt tokens the engines served from their caches / prompt tokens.",
+                  "# TYPE radixray_prefix_hit_rate gauge", f"radixray_prefix_hit_rate {actual}",
+                  "# HELP radixray_router_prefix_hit_rate The router's estimate of the same.",
+                  "# TYPE radixray_router_prefix_hit_rate gauge",
+                  f"radixray_router_prefix_hit_rate {routing.prefix_hit_rate}"]
         return "\n".join(lines) + "\n"

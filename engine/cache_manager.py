@@ -24,12 +24,13 @@ class OutOfKVError(RuntimeError):
     """The pool cannot hold a batch the scheduler already admitted: a budgeting bug."""
 
 
-class KVEvent(msgspec.Struct, frozen=True):
-    """The prefix cache now holds ("stored") or no longer holds ("removed") the KV of the token
-    path `token_ids` (from the root; a removal drops the path's last node)."""
+class KVEvent(msgspec.Struct, frozen=True, array_like=True):
+    """The prefix cache now holds ("stored") or no longer holds ("removed") the KV of
+    `token_ids[start:]`, whose parent path `token_ids[:start]` it holds (and keeps)."""
 
     kind: Literal["stored", "removed"]
     token_ids: list[int]
+    start: int = 0
 
 
 class PrefixCache(Protocol):
@@ -37,7 +38,7 @@ class PrefixCache(Protocol):
     (no running request locks them) or protected."""
 
     shares_prefixes: bool  # False: nothing is kept or shared (a request's KV stays its own)
-    on_event: Callable[[str, list[int]], None] | None  # (kind, token path) of inserts and evictions
+    on_event: Callable[[str, list[int], int], None] | None  # (kind, token path, start): see KVEvent
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, object]:
         """Longest cached prefix of key: its slots, and the node to lock for it."""
@@ -58,6 +59,8 @@ class PrefixCache(Protocol):
     def protected_size(self) -> int: ...
 
     def total_tokens(self) -> int: ...
+
+    def leaf_paths(self) -> list[list[int]]: ...
 
 
 class CacheManager:
@@ -194,10 +197,14 @@ class CacheManager:
         self._subscribers.append(callback)
         self.tree.on_event = self._publish  # paths are computed only once someone listens
 
-    def _publish(self, kind: str, token_ids: list[int]) -> None:
-        event = KVEvent(kind, token_ids)
+    def _publish(self, kind: str, token_ids: list[int], start: int) -> None:
+        event = KVEvent(kind, token_ids, start)
         for callback in self._subscribers:
             callback(event)
+
+    def snapshot(self) -> list[list[int]]:
+        """Every token path the cache holds (its leaves' paths), for a subscriber that resyncs."""
+        return self.tree.leaf_paths()
 
     # ---- integrity ---------------------------------------------------------------------------
     def check_idle(self) -> None:

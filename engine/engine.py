@@ -7,6 +7,7 @@ background loop (`start_loop`) owns it, as in the Ray actor."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -391,6 +392,12 @@ class Engine:
             while not done.empty():
                 done.get()
                 finished += 1
+
+    @contextlib.contextmanager
+    def between_steps(self) -> Iterator[None]:
+        """Hold the step lock: no step runs (nor mutates the scheduler or the cache) inside."""
+        with self._step_lock:
+            yield
 
     def check_memory(self) -> None:
         """Raise MemoryInvariantError unless the idle invariant holds (call when no work is left)."""

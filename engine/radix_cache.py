@@ -45,8 +45,9 @@ class RadixCache:
     def __init__(self, allocator: TokenToKVPoolAllocator) -> None:
         self.allocator = allocator  # evicted slots go back here
         self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)
-        # (kind, token path) of every insert and eviction; set by CacheManager.subscribe.
-        self.on_event: Callable[[str, list[int]], None] | None = None
+        # (kind, token path, start) of every insert and eviction: the node added or dropped holds
+        # path[start:]; path[:start] is its parent's path. Set by CacheManager.subscribe.
+        self.on_event: Callable[[str, list[int], int], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -105,7 +106,7 @@ class RadixCache:
                 node.children[key[0]] = leaf
                 self._evictable += len(key)
                 if self.on_event is not None:
-                    self.on_event("stored", list(full_key))
+                    self.on_event("stored", list(full_key), matched)
                 break
             child.last_access = now
             n = _common_len(child.key, key)
@@ -141,7 +142,8 @@ class RadixCache:
         while heap and evicted < num_tokens:
             leaf = heapq.heappop(heap)
             if self.on_event is not None:
-                self.on_event("removed", self._path(leaf))
+                path = self._path(leaf)
+                self.on_event("removed", path, len(path) - len(leaf.key))
             self.allocator.free(leaf.value)
             evicted += len(leaf.key)
             self._evictable -= len(leaf.key)
@@ -169,6 +171,10 @@ class RadixCache:
     def total_tokens(self) -> int:
         return sum(len(n.key) for n in self._nodes())
 
+    def leaf_paths(self) -> list[list[int]]:
+        """The token path of every leaf: together, everything the tree holds."""
+        return [self._path(n) for n in self._nodes() if not n.children]
+
 
 class NoRadixCache:
     """`disable_radix_cache=True`: keeps and shares nothing; every slot is freed at a request's end."""
@@ -177,7 +183,7 @@ class NoRadixCache:
 
     def __init__(self, allocator: TokenToKVPoolAllocator) -> None:
         self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)
-        self.on_event: Callable[[str, list[int]], None] | None = None  # never called: nothing is stored
+        self.on_event: Callable[[str, list[int], int], None] | None = None  # never called: nothing is stored
 
     def reset(self) -> None:
         pass
@@ -205,3 +211,6 @@ class NoRadixCache:
 
     def total_tokens(self) -> int:
         return 0
+
+    def leaf_paths(self) -> list[list[int]]:
+        return []

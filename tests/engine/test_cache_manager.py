@@ -37,11 +37,14 @@ def test_events_report_what_the_cache_stores_and_evicts():
     cache.cache_finished_req(a)
     b = _prefilled(cache, [1, 2, 3, 9])  # shares [1, 2, 3]; only [9] is new
     cache.cache_finished_req(b)
-    assert events == [KVEvent("stored", [1, 2, 3, 4, 5]), KVEvent("stored", [1, 2, 3, 9])]
+    assert events == [KVEvent("stored", [1, 2, 3, 4, 5], 0), KVEvent("stored", [1, 2, 3, 9], 3)]
     assert cache.available_size() == 16 and cache.cached_size() == 6
+    assert sorted(cache.snapshot()) == [[1, 2, 3, 4, 5], [1, 2, 3, 9]]
     cache.alloc_slots(16)  # needs every slot: the whole tree is evicted, leaves first
     assert [e.kind for e in events[2:]] == ["removed"] * 3
-    assert {tuple(e.token_ids) for e in events[2:]} == {(1, 2, 3, 4, 5), (1, 2, 3, 9), (1, 2, 3)}
+    assert {(tuple(e.token_ids), e.start) for e in events[2:]} == {((1, 2, 3, 4, 5), 3), ((1, 2, 3, 9), 3),
+                                                                   ((1, 2, 3), 0)}
+    assert cache.snapshot() == []
 
 
 def test_budget_and_idle_invariant():

@@ -1,0 +1,223 @@
+"""The routing index: what each engine's prefix cache holds, exactly, from the engines' own KV
+events (see engine.cache_manager.KVEvent), not from guesses about what was routed where.
+
+Each engine numbers its events (per actor instance). The index applies them in order; a gap (an
+event lost, an engine restarted) marks the engine stale until a snapshot of its cache resyncs
+it. A stale engine matches nothing, so routing falls back to load for it meanwhile."""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.protocol import KVEventBatch, KVSnapshot
+
+
+class _Node:
+    __slots__ = ("children", "key")
+
+    def __init__(self, key: tuple[int, ...]) -> None:
+        self.children: dict[int, _Node] = {}
+        self.key = key
+
+
+class CachedPaths:
+    """A token-level radix tree of the paths one engine's cache holds: inserts and removals as
+    the engine reports them, and longest-prefix matches."""
+
+    def __init__(self) -> None:
+        self.root = _Node(())
+        self.size = 0  # tokens held
+
+    def _walk_to(self, path: list[int], depth: int) -> _Node | None:
+        """The node ending exactly at path[:depth] (splitting one if depth falls inside it)."""
+        node, i = self.root, 0
+        while i < depth:
+            child = node.children.get(path[i])
+            if child is None:
+                return None
+            n = 0
+            while n < len(child.key) and i + n < depth and child.key[n] == path[i + n]:
+                n += 1
+            if n < len(child.key):
+                if i + n < depth:  # diverges from the path: not held
+                    return None
+                head = _Node(child.key[:n])
+                child.key = child.key[n:]
+                head.children[child.key[0]] = child
+                node.children[path[i]] = head
+                child = head
+            node, i = child, i + n
+        return node
+
+    def insert(self, path: list[int]) -> None:
+        node, i = self.root, 0
+        while i < len(path):
+            child = node.children.get(path[i])
+            if child is None:
+                node.children[path[i]] = _Node(tuple(path[i:]))
+                self.size += len(path) - i
+                return
+            n = 0
+            while n < len(child.key) and i + n < len(path) and child.key[n] == path[i + n]:
+                n += 1
+            if n < len(child.key):
+                head = _Node(child.key[:n])
+                child.key = child.key[n:]
+                head.children[child.key[0]] = child
+                node.children[path[i]] = head
+                child = head
+            node, i = child, i + n
+
+    def remove(self, path: list[int], start: int) -> None:
+        """The engine dropped path[start:] (a leaf of its tree: nothing below it)."""
+        if start >= len(path):
+            return
+        parent = self._walk_to(path, start)
+        if parent is None:
+            return
+        child = parent.children.pop(path[start], None)
+        if child is not None:
+            self.size -= self._tokens(child)
+
+    @staticmethod
+    def _tokens(node: _Node) -> int:
+        total, stack = 0, [node]
+        while stack:
+            n = stack.pop()
+            total += len(n.key)
+            stack.extend(n.children.values())
+        return total
+
+    def match(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the engine holds."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            n = 0
+            while n < len(child.key) and i + n < len(tokens) and child.key[n] == tokens[i + n]:
+                n += 1
+            i += n
+            if n < len(child.key):
+                break
+            node = child
+        return i
+
+
+class InFlightPrompts:
+    """Prompts routed to one engine and not finished yet (a counted token trie): their KV is
+    being computed there, so a request sharing their head should follow them before any event
+    says so."""
+
+    def __init__(self) -> None:
+        self.root: dict[int, list] = {}  # token -> [count, children]
+
+    def add(self, tokens: list[int]) -> None:
+        children = self.root
+        for t in tokens:
+            node = children.get(t)
+            if node is None:
+                node = children[t] = [0, {}]
+            node[0] += 1
+            children = node[1]
+
+    def discard(self, tokens: list[int]) -> None:
+        children = self.root
+        for t in tokens:
+            node = children.get(t)
+            if node is None:
+                return
+            node[0] -= 1
+            if node[0] == 0:  # nothing else passes here: drop the rest of this path at once
+                del children[t]
+                return
+            children = node[1]
+
+    def match(self, tokens: list[int]) -> int:
+        children, n = self.root, 0
+        for t in tokens:
+            node = children.get(t)
+            if node is None:
+                break
+            children, n = node[1], n + 1
+        return n
+
+
+class _EngineView:
+    __slots__ = ("incarnation", "next_seq", "paths", "stale")
+
+    def __init__(self) -> None:
+        self.incarnation: str | None = None
+        self.next_seq = 1
+        self.paths = CachedPaths()
+        self.stale = True  # nothing known until the first event from seq 1 or a snapshot
+
+
+class KVIndexStats(msgspec.Struct, kw_only=True):
+    events_applied: list[int]  # per engine
+    resyncs: list[int]  # snapshots applied per engine (after a gap, a restart or at start)
+    cached_tokens: list[int]  # what the index believes each engine holds
+
+
+class KVIndex:
+    """Every engine's cached paths, kept exact by its event stream, plus the prompts in flight
+    on it (routed, not finished)."""
+
+    def __init__(self, num_engines: int) -> None:
+        self.views = [_EngineView() for _ in range(num_engines)]
+        self.in_flight = [InFlightPrompts() for _ in range(num_engines)]
+        self.events_applied = [0] * num_engines
+        self.resyncs = [0] * num_engines
+
+    def apply(self, engine: int, batch: KVEventBatch) -> bool:
+        """Apply a batch of engine `engine`'s events. False: a gap or another instance; the
+        caller resyncs from a snapshot (until then the engine matches nothing)."""
+        view = self.views[engine]
+        if batch.incarnation != view.incarnation:
+            if batch.first_seq != 1:  # a new instance seen mid-stream
+                self.clear(engine)
+                return False
+            self.views[engine] = view = _EngineView()
+            view.incarnation, view.stale = batch.incarnation, False
+        if view.stale:
+            return False
+        for seq, event in enumerate(batch.events, batch.first_seq):
+            if seq < view.next_seq:
+                continue  # already in the snapshot
+            if seq > view.next_seq:
+                view.stale = True
+                return False
+            if event.kind == "stored":
+                view.paths.insert(event.token_ids)
+            else:
+                view.paths.remove(event.token_ids, event.start)
+            view.next_seq = seq + 1
+            self.events_applied[engine] += 1
+        return True
+
+    def reset(self, engine: int, snapshot: KVSnapshot) -> None:
+        """Replace the engine's view by a snapshot; events after `snapshot.seq` apply on top."""
+        view = _EngineView()
+        view.incarnation, view.next_seq, view.stale = snapshot.incarnation, snapshot.seq + 1, False
+        for path in snapshot.paths:
+            view.paths.insert(path)
+        self.views[engine] = view
+        self.resyncs[engine] += 1
+
+    def clear(self, engine: int) -> None:
+        """The engine is gone or restarting: it holds nothing we know of."""
+        self.views[engine] = _EngineView()
+
+    def match(self, engine: int, tokens: list[int]) -> int:
+        """Leading tokens the engine holds in its cache (0 while its view is stale)."""
+        view = self.views[engine]
+        return 0 if view.stale else view.paths.match(tokens)
+
+    def match_with_in_flight(self, engine: int, tokens: list[int]) -> int:
+        """Leading tokens the engine holds or is computing for a request in flight."""
+        return max(self.match(engine, tokens), self.in_flight[engine].match(tokens))
+
+    def stats(self) -> KVIndexStats:
+        return KVIndexStats(events_applied=list(self.events_applied), resyncs=list(self.resyncs),
+                            cached_tokens=[v.paths.size for v in self.views])

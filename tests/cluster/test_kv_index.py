@@ -1,0 +1,107 @@
+"""The routing index against the engine's real radix cache: fed only the cache's KV events, it
+matches every prompt exactly as the cache does; a lost event is detected and a snapshot resyncs."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.protocol import KVEventBatch, KVSnapshot
+from cluster.kv_index import CachedPaths, InFlightPrompts, KVIndex
+from cluster.routing import Router
+from engine import SamplingParams
+from engine.cache_manager import CacheManager, KVEvent
+from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.req import Req
+
+CPU = torch.device("cpu")
+tokens = st.lists(st.integers(1, 4), min_size=1, max_size=12)
+ops = st.lists(st.tuples(st.sampled_from(["add", "evict", "query"]), tokens, st.integers(1, 20)), max_size=40)
+
+
+def _run(cache: CacheManager, ids: list[int]) -> None:
+    """One request through the cache as the scheduler drives it: match, lock, compute, finish."""
+    req = Req("r", ids, SamplingParams(max_new_tokens=1))
+    cache.match_prefix(req)
+    cache.lock(req)
+    cache.alloc_extend([req], [len(req.prefix_indices)], [req.extend_input_len])
+    cache.cache_finished_req(req)
+
+
+def _cached_len(cache: CacheManager, ids: list[int]) -> int:
+    return len(cache.tree.match_prefix(ids)[0])
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_events_keep_the_index_exact(script):
+    cache = CacheManager(ReqToTokenPool(2, 16, CPU), TokenToKVPoolAllocator(40, CPU))
+    events: list[KVEvent] = []
+    cache.subscribe(events.append)
+    paths = CachedPaths()
+    for op, ids, n in script:
+        if op == "add" and len(ids) <= cache.available_size():
+            _run(cache, ids)
+        elif op == "evict":
+            cache.tree.evict(n)
+        for e in events:
+            paths.insert(e.token_ids) if e.kind == "stored" else paths.remove(e.token_ids, e.start)
+        events.clear()
+        assert paths.match(ids) == _cached_len(cache, ids)
+        assert paths.size == cache.cached_size()
+
+
+def _batch(first: int, *events: KVEvent, incarnation: str = "a") -> KVEventBatch:
+    return KVEventBatch(incarnation, first, list(events))
+
+
+def test_a_gap_makes_the_engine_stale_until_a_snapshot():
+    index = KVIndex(2)
+    assert index.match(0, [1, 2, 3]) == 0  # nothing known yet
+    assert index.apply(0, _batch(1, KVEvent("stored", [1, 2, 3], 0)))
+    assert index.match(0, [1, 2, 3, 4]) == 3 and index.match(1, [1, 2, 3]) == 0
+    # Event 2 is lost: event 3 reveals the gap, and the engine matches nothing until resynced.
+    assert not index.apply(0, _batch(3, KVEvent("stored", [7, 8], 0)))
+    assert index.match(0, [1, 2, 3]) == 0
+    assert not index.apply(0, _batch(4, KVEvent("stored", [9], 0)))
+    index.reset(0, KVSnapshot("a", 4, [[1, 2], [7, 8], [9]]))
+    assert index.match(0, [1, 2, 3]) == 2 and index.match(0, [7, 8]) == 2
+    assert index.apply(0, _batch(3, KVEvent("stored", [7, 8], 0), KVEvent("stored", [9], 0),
+                                 KVEvent("removed", [9], 0)))  # 3 and 4 are in the snapshot
+    assert index.match(0, [9]) == 0 and index.resyncs[0] == 1
+
+
+def test_a_restarted_engine_starts_over():
+    index = KVIndex(1)
+    index.apply(0, _batch(1, KVEvent("stored", [1, 2, 3], 0)))
+    assert index.apply(0, _batch(1, KVEvent("stored", [5], 0), incarnation="b"))  # new instance, from 1
+    assert index.match(0, [1, 2, 3]) == 0 and index.match(0, [5]) == 1
+    assert not index.apply(0, _batch(7, KVEvent("stored", [6], 0), incarnation="c"))  # joined mid-stream
+
+
+def test_kv_events_policy_weighs_cached_tokens_against_load():
+    router = Router("kv_events", 2, policy_options={"prefill_weight": 1.0, "load_weight": 0.1})
+    prompt = list(range(1, 101))
+    router.kv_index.apply(1, _batch(1, KVEvent("stored", prompt[:90], 0)))
+    assert router.pick(prompt, cost=110) == 1  # 10 tokens to compute there instead of 100
+    assert router.stats().prefix_hit_rate == 0.9
+    # The prompt now in flight there counts as held: a second copy costs nothing to prefill.
+    assert router.kv_index.match_with_in_flight(1, prompt) == 100
+    for _ in range(10):  # engine 1 gets busy: 0.1 x 11 x 110 tokens in flight cost more than 100
+        router.loads[1].requests += 1
+        router.loads[1].tokens += 110
+    assert router.pick(prompt, cost=110) == 0
+    router.done(1, 110, prompt)
+    assert router.kv_index.match_with_in_flight(1, prompt) == 90  # back to what the cache holds
+
+
+def test_in_flight_prompts_are_counted():
+    flight = InFlightPrompts()
+    flight.add([1, 2, 3])
+    flight.add([1, 2, 4])
+    assert flight.match([1, 2, 3, 9]) == 3 and flight.match([1, 2, 9]) == 2
+    flight.discard([1, 2, 3])
+    assert flight.match([1, 2, 3]) == 2 and flight.match([1, 2, 4]) == 3
+    flight.discard([1, 2, 4])
+    assert flight.match([1, 2, 4]) == 0 and flight.root == {}

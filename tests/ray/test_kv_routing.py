@@ -1,0 +1,87 @@
+"""Exact routing on the engines' KV events, on a real Ray cluster (CPU, random-weight model):
+requests sharing a prefix follow the engine that holds it; once that engine evicts the prefix
+the router knows it; a KV event lost on purpose makes the router resync from a snapshot."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import ray
+
+from actors.protocol import GenerateRequest, decode_kv_snapshot, encode
+from cluster import Cluster, ClusterConfig
+from engine import SamplingParams
+
+pytestmark = pytest.mark.ray
+SHORT = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+def wait_for(condition, what: str, within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def index_matches_engine(cl: Cluster, engine: int, probes: list[list[int]]) -> bool:
+    """The router's view of the engine equals the engine's own cache, on every probe."""
+    snap = decode_kv_snapshot(ray.get(cl.actors[engine].kv_snapshot.remote()))
+    held = {tuple(p) for p in snap.paths}
+
+    def held_len(probe: list[int]) -> int:
+        best = 0
+        for p in held:
+            n = 0
+            while n < min(len(p), len(probe)) and p[n] == probe[n]:
+                n += 1
+            best = max(best, n)
+        return best
+
+    with cl._lock:
+        return all(cl.router.kv_index.match(engine, p) == held_len(p) for p in probes)
+
+
+def test_routing_follows_the_engines_actual_cache(ray_local, model_dirs):
+    cfg = ClusterConfig(model_path=model_dirs["llama"], num_engines=2, routing="kv_events",
+                        engine={"max_total_tokens": 600})
+    with Cluster(cfg) as cl:
+        head = [7] * 200
+        first = cl.generate(input_ids=head + [1, 2], sampling_params=SHORT)
+        assert first.finish_reason == "length"
+        owner = next(i for i in range(2) if cl.stats().engines[i].engine.prompt_tokens)
+        wait_for(lambda: cl.router.kv_index.match(owner, head) == 200, "the stored event")
+        for i in range(4):  # same head, either engine free: every one goes to the owner
+            cl.generate(input_ids=head + [3, i], sampling_params=SHORT)
+        decisions = cl.stats().routing.decisions
+        assert decisions[owner] == 5 and decisions[1 - owner] == 0
+
+        # Fill the owner's pool with other prompts until it evicts the head; the router learns it.
+        probes = [head + [1, 2]]
+        for k in range(12):
+            other = [20 + k] * 150
+            probes.append(other)
+            _on_engine(cl, owner, other)
+            if cl.router.kv_index.match(owner, head) < 200:
+                break
+        wait_for(lambda: index_matches_engine(cl, owner, probes), "the index to follow the evictions")
+        assert cl.router.kv_index.match(owner, head) < 200
+
+        # Lose an event on purpose: the next event reveals the gap, a snapshot resyncs the index.
+        resyncs = cl.stats().routing.kv_index.resyncs[owner]
+        ray.get(cl.actors[owner].debug_drop_kv_events.remote(1))
+        for k in range(2):
+            other = [60 + k] * 40
+            probes.append(other)
+            _on_engine(cl, owner, other)
+        wait_for(lambda: cl.stats().routing.kv_index.resyncs[owner] > resyncs, "a resync")
+        wait_for(lambda: index_matches_engine(cl, owner, probes), "the index to match the engine again")
+        cl.check_memory()
+
+
+def _on_engine(cl: Cluster, engine: int, ids: list[int]) -> None:
+    """Run a request on one engine directly (its own per-request stream), bypassing the router."""
+    payload = encode(GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, sampling_params=SHORT))
+    for ref in cl.actors[engine].generate.remote(payload):
+        ray.get(ref)
