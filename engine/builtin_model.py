@@ -1,6 +1,7 @@
-"""A small deterministic random-weight Llama with a byte-level tokenizer, built on first use.
+"""Small deterministic random-weight models with a byte-level tokenizer, built on first use: a
+Llama (`model_path` None or "builtin") and a Qwen3-MoE ("builtin-moe").
 
-Its text is noise: it exists so the main job and the tests run on a fresh machine without
+Their text is noise: they exist so the main job and the tests run on a fresh machine without
 downloading anything. Point `model_path` at a real HF checkpoint folder for real text."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -24,6 +26,8 @@ CHAT_TEMPLATE = (
 )
 BUILTIN_ARCH = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
+BUILTIN_MOE_ARCH = dict(BUILTIN_ARCH, head_dim=32, moe_intermediate_size=256, num_experts=8,
+                        num_experts_per_tok=2, norm_topk_prob=True)
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -40,11 +44,13 @@ def byte_level_tokenizer() -> Tokenizer:
 
 
 def random_llama_weights(config: dict, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
-    """Deterministic random weights in HF naming for a Llama/Qwen2/Qwen3 config dict."""
+    """Deterministic random weights in HF naming for a config dict of the Llama family (Llama,
+    Mistral, Qwen2, Qwen3) or of its MoE relatives (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE)."""
     g = torch.Generator().manual_seed(seed)
-    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    h, v = config["hidden_size"], config["vocab_size"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     qd, kvd = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    model_type = config.get("model_type")
 
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
@@ -59,14 +65,44 @@ def random_llama_weights(config: dict, seed: int = 0, std: float = 0.05) -> dict
         p = f"model.layers.{i}."
         w |= {p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
               p + "self_attn.q_proj.weight": rnd(qd, h), p + "self_attn.k_proj.weight": rnd(kvd, h),
-              p + "self_attn.v_proj.weight": rnd(kvd, h), p + "self_attn.o_proj.weight": rnd(h, qd),
-              p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
-              p + "mlp.down_proj.weight": rnd(h, inter)}
-        if config.get("model_type") == "qwen2" or config.get("attention_bias"):
+              p + "self_attn.v_proj.weight": rnd(kvd, h), p + "self_attn.o_proj.weight": rnd(h, qd)}
+        w |= _random_mlp(config, i, p, rnd)
+        if model_type in ("qwen2", "qwen2_moe") or config.get("attention_bias") or config.get("qkv_bias"):
             w |= {p + "self_attn.q_proj.bias": rnd(qd), p + "self_attn.k_proj.bias": rnd(kvd),
                   p + "self_attn.v_proj.bias": rnd(kvd)}
-        if config.get("model_type") == "qwen3":
+        if model_type in ("qwen3", "qwen3_moe"):
             w |= {p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)}
+        if model_type == "olmoe":  # one norm over all heads of q, one over all of k
+            w |= {p + "self_attn.q_norm.weight": norm(qd), p + "self_attn.k_norm.weight": norm(kvd)}
+    return w
+
+
+def _random_mlp(config: dict, layer: int, p: str, rnd: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s MLP: dense (gate/up/down), or a router, experts and an optional shared
+    expert, named as the architecture's checkpoints name them."""
+    h = config["hidden_size"]
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    sparse = (experts and layer not in (config.get("mlp_only_layers") or ())
+              and (layer + 1) % (config.get("decoder_sparse_step") or 1) == 0)
+    if not sparse:
+        inter = config["intermediate_size"]
+        return {p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+                p + "mlp.down_proj.weight": rnd(h, inter)}
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    if config.get("model_type") == "mixtral":
+        m, (gate, up, down) = p + "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        m, (gate, up, down) = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+    w = {m + "gate.weight": rnd(experts, h)}
+    for e in range(experts):
+        x = f"{m}experts.{e}."
+        w |= {x + gate + ".weight": rnd(inter, h), x + up + ".weight": rnd(inter, h),
+              x + down + ".weight": rnd(h, inter)}
+    shared = config.get("shared_expert_intermediate_size") or 0
+    if shared:
+        x = m + "shared_expert."
+        w |= {x + "gate_proj.weight": rnd(shared, h), x + "up_proj.weight": rnd(shared, h),
+              x + "down_proj.weight": rnd(h, shared), m + "shared_expert_gate.weight": rnd(1, h)}
     return w
 
 
@@ -99,15 +135,45 @@ def llama_config(**overrides) -> dict:
     return cfg
 
 
+def moe_config(**overrides) -> dict:
+    """A Qwen3-MoE config dict (the built-in MoE's shape unless overridden)."""
+    return llama_config(**{**BUILTIN_MOE_ARCH, "architectures": ["Qwen3MoeForCausalLM"],
+                           "model_type": "qwen3_moe", **overrides})
+
+
 def builtin_model_path() -> str:
-    """Build once (atomically, so concurrent engines agree) and return the folder."""
-    final = os.path.join(cache_dir(), f"builtin-llama-{BUILTIN_VERSION}")
+    """The built-in dense model: built once (atomically, so concurrent engines agree); its folder."""
+    return _build_once(f"builtin-llama-{BUILTIN_VERSION}", llama_config)
+
+
+def builtin_moe_model_path() -> str:
+    """The built-in MoE model (Qwen3-MoE, 8 experts, top-2): built once; its folder."""
+    return _build_once(f"builtin-qwen3moe-{BUILTIN_VERSION}", moe_config)
+
+
+# Names `model_path` may give instead of a folder (`resolve_model_path`).
+BUILTIN_MODELS = {"builtin": builtin_model_path, "builtin-moe": builtin_moe_model_path}
+
+
+def resolve_model_path(model_path: str | None) -> str:
+    """The checkpoint folder of `model_path`: None -> the built-in model; a BUILTIN_MODELS name
+    (unless a folder of that name exists) -> that model, built on first use; else unchanged."""
+    if model_path is None:
+        return builtin_model_path()
+    build = BUILTIN_MODELS.get(model_path)
+    if build is None or os.path.isdir(model_path):
+        return model_path
+    return build()
+
+
+def _build_once(name: str, make_config: Callable[..., dict]) -> str:
+    final = os.path.join(cache_dir(), name)
     if os.path.isfile(os.path.join(final, "model.safetensors")):
         return final
     os.makedirs(cache_dir(), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="builtin-", dir=cache_dir())
     tok = byte_level_tokenizer()
-    cfg = llama_config(vocab_size=tok.get_vocab_size())
+    cfg = make_config(vocab_size=tok.get_vocab_size())
     write_checkpoint(tmp, cfg, random_llama_weights(cfg, seed=0), tok)
     try:
         os.rename(tmp, final)

@@ -146,6 +146,13 @@ class CacheManager:
             r.kv_len += 1
         return out_cache_loc
 
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Keep the request's first kv_len tokens of KV; the slots after them (rejected draft
+        tokens) go back to the pool at once, never into the cache."""
+        if kv_len < req.kv_len:
+            self.allocator.free(self.req_to_token[req.req_pool_idx, kv_len:req.kv_len].to(torch.int64))
+            req.kv_len = kv_len
+
     def kv_indices(self, req: Req) -> torch.Tensor:
         """The slots of the request's stored KV, in token order."""
         return self.req_to_token[req.req_pool_idx, :req.kv_len].to(torch.int64)

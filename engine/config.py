@@ -8,9 +8,11 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
+from engine.builtin_model import resolve_model_path
 from engine.errors import ConfigError
 
 SchedulePolicy = Literal["fcfs", "lpm"]
+SpeculativeAlgorithm = Literal["ngram"]
 AttentionBackendName = Literal["torch", "triton", "flash_attn"]
 LinearBackend = Literal["auto", "onednn", "torch"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -18,6 +20,7 @@ SCHEDULE_POLICIES = get_args(SchedulePolicy)
 ATTENTION_BACKENDS = get_args(AttentionBackendName)
 LINEAR_BACKENDS = get_args(LinearBackend)
 DTYPES = get_args(DType)
+SPECULATIVE_ALGORITHMS = get_args(SpeculativeAlgorithm)
 
 
 def build_config(cls: type, what: str, kwargs: dict[str, Any], strict: bool = True) -> Any:
@@ -71,6 +74,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     new_token_ratio_decay: float = 0.001
     seed: int = 0
     torch_threads: int | None = None
+    # Speculative decoding: "ngram" drafts from the request's own tokens (prompt lookup).
+    speculative_algorithm: SpeculativeAlgorithm | None = None
+    speculative_num_draft_tokens: int = 4  # k: drafts verified per request per step
+    speculative_ngram_min: int = 2  # the shortest suffix n-gram looked up
+    speculative_ngram_max: int = 4  # the longest (tried first)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -93,6 +101,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static must be in (0, 1)")
         need(0.0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0,
              "need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
+        need(self.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS),
+             f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or None")
+        need(1 <= self.speculative_num_draft_tokens <= 64, "speculative_num_draft_tokens must be in [1, 64]")
+        need(1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
+             "need 1 <= speculative_ngram_min <= speculative_ngram_max")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -125,9 +138,26 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (0 experts: a dense model). A layer i is sparse unless i is in
+    # mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step (`is_sparse_layer`).
+    num_experts: int = 0  # HF num_experts (Qwen-MoE, OLMoE) or num_local_experts (Mixtral)
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; Mixtral's is intermediate_size
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert; 0: none
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer` has an MoE MLP (transformers' rule; all layers of Mixtral, OLMoE)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:
+        """From an HF folder, or a built-in model's name (`engine.builtin_model.resolve_model_path`)."""
+        model_dir = resolve_model_path(model_dir)
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"no config.json in model folder {model_dir!r}")
@@ -168,12 +198,21 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            attention_bias=bool(hf.get("attention_bias",
+                                       hf.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=act,
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(eos_ids + generation_eos)),
+            num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],
+            norm_topk_prob=model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+            clip_qkv=hf.get("clip_qkv"),
         )
 
 

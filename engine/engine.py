@@ -86,6 +86,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_failed: int = 0  # requests ended by an engine-side error
     num_received: int = 0  # requests that reached the loop (aborted early or not)
     overlapped_steps: int = 0  # decode batches launched while the previous one still ran
+    spec_draft_tokens: int = 0  # speculative decoding: drafts scored by verify forwards
+    spec_accepted_tokens: int = 0  # drafts kept
+    spec_verify_requests: int = 0  # (request, verify step) pairs: tokens emitted = accepted + this
     # Batches run, by ForwardMode name; every mode is present (0 if none ran), so readers index it.
     batches_by_mode: dict[str, int] = msgspec.field(default_factory=lambda: dict.fromkeys(ForwardMode.__members__, 0))
 
@@ -420,6 +423,9 @@ class Engine:
             num_failed=s.num_failed,
             num_received=self.num_received,
             overlapped_steps=s.overlapped_steps,
+            spec_draft_tokens=s.spec_draft_tokens,
+            spec_accepted_tokens=s.spec_accepted_tokens,
+            spec_verify_requests=s.spec_verify_requests,
             batches_by_mode={mode: s.batches_by_mode[mode] for mode in ForwardMode.__members__},
         )
 

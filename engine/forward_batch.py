@@ -54,7 +54,8 @@ class ForwardMode(IntEnum):
 
 
 
-SUPPORTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE})
+SUPPORTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE,
+                             ForwardMode.TARGET_VERIFY})
 
 
 def require_supported(mode: ForwardMode) -> None:
@@ -128,5 +129,8 @@ class ForwardBatch:
             fb.extend_seq_lens_cpu = ext
             fb.extend_seq_lens = torch.tensor(ext)
             fb.extend_start_loc = torch.tensor(starts)
-            fb.last_token_indices = torch.tensor([s + n - 1 for s, n in zip(starts, ext)])
+            if mode.is_target_verify():  # every position's logits: each scores the draft after it
+                fb.last_token_indices = torch.arange(acc)
+            else:
+                fb.last_token_indices = torch.tensor([s + n - 1 for s, n in zip(starts, ext)])
         return fb

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 from engine.attention import create_attention_backend
+from engine.builtin_model import resolve_model_path
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.models import build_model
 from engine.sampling import SampleResult, sample_on_device
+from engine.speculative import VerifyResult, verify
 from kernels.cpu_linear import onednn_linear_works
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,6 +52,7 @@ def use_onednn(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str, mlp_shard: tuple[int, int] = (0, 1)) -> None:
         self.config = config
+        model_dir = resolve_model_path(model_dir)  # a folder, or a built-in model's name
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
@@ -78,6 +81,8 @@ class ModelRunner:
             from engine.cuda_graph import CudaGraphRunner
 
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
+            if self.model.expert_tokens is not None:  # capture's warm-up forwards are no traffic
+                self.model.expert_tokens.zero_()
 
     def _default_pool_size(self, per_token: int) -> int:
         if self.device.type == "cuda":
@@ -112,6 +117,12 @@ class ModelRunner:
         with torch.cuda.stream(self.forward_stream):
             return self._forward_and_sample(fb, reqs, from_future)
 
+    @torch.inference_mode()
+    def forward_and_verify(self, fb: ForwardBatch, reqs: list, drafts: list[list[int]]) -> Verified:
+        """TARGET_VERIFY: logits at every draft position, then what each request keeps
+        (engine/speculative.py). Acceptance needs the values on the host: no overlap here."""
+        return Verified(verify(self.forward(fb), reqs, drafts))
+
     def _forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> PendingSample:
         if from_future:  # (forward() copies the other host-staged inputs)
             fb.input_ids = self.future_token_ids[fb.req_pool_indices]
@@ -135,6 +146,18 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return PendingSample(host, logprobs, event, keepalive=(fb, logits, next_ids))
+
+
+class Verified:
+    """A verify batch's result, already on the host (same `resolve()` as PendingSample)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: VerifyResult) -> None:
+        self.result = result
+
+    def resolve(self) -> VerifyResult:
+        return self.result
 
 
 class PendingSample:

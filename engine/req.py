@@ -46,6 +46,7 @@ class Req:
         self.to_abort: tuple[str, ErrorKind] | None = None  # (message, kind) once marked
         self.output_logprobs: list = []
         self.num_retractions = 0
+        self.spec_state = None  # the drafter's per-request state (speculative decoding)
         self.stop_str_max_len = max((len(s) for s in sampling_params.stop), default=0)
 
     @property

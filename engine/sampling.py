@@ -137,7 +137,7 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
     random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [reqs[i].sampling_params for i in random_rows])
+        probs = filtered_probs(logits[rows], [reqs[i].sampling_params for i in random_rows])
         mass = probs.sum(dim=-1)  # NaN if any probability is
         ok = torch.isfinite(mass) & (mass > 0)
         bad[rows] |= ~ok
@@ -158,7 +158,7 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
     return next_ids, bad, out
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks, on a batch of rows; returns probabilities."""
     dev = logits.device
     # Capped: a float32 inf would turn masked (-inf) logits into NaN; 1e30 is already uniform.

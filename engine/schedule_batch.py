@@ -24,6 +24,7 @@ class ScheduleBatch:
         # forward side, indexed by req_pool_indices (None: input_ids are final).
         self.input_ids_from_future = False
         self.decoding_reqs: set[int] = set()  # ids of running requests folded into a MIXED batch
+        self.drafts: list[list[int]] = []  # TARGET_VERIFY: each request's draft tokens
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -84,6 +85,20 @@ class ScheduleBatch:
         self.seq_lens = self._stage(self.seq_lens_cpu)
         self.input_ids_from_future = from_future
         self.input_ids = self._stage([0 if from_future else r.output_ids[-1] for r in self.reqs])
+
+    def prepare_for_verify(self, drafts: list[list[int]]) -> None:
+        """TARGET_VERIFY: per request its last token plus its drafts, as an extend over its KV
+        (causal over the drafts, full over the prefix); every position's logits are kept."""
+        self.drafts = drafts
+        self.prefix_lens = [r.kv_len for r in self.reqs]
+        self.extend_lens = [1 + len(d) for d in drafts]
+        input_ids = [t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)]
+        self.forward_mode = ForwardMode.TARGET_VERIFY
+        self.seq_lens_cpu = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        self.out_cache_loc = self.cache.alloc_extend(self.reqs, self.prefix_lens, self.extend_lens)
+        self.req_pool_indices = self._to_device([r.req_pool_idx for r in self.reqs], torch.int64)
+        self.input_ids = self._stage(input_ids)
+        self.seq_lens = self._stage(self.seq_lens_cpu)
 
     def prepare_for_idle(self) -> None:
         """No sequences: zero tokens, so an attention-DP rank can still join the collectives."""

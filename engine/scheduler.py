@@ -23,6 +23,7 @@ from engine.prefill_adder import AddResult, PrefillAdder
 from engine.req import FinishReason, Req
 from engine.sampling import SampleResult
 from engine.schedule_batch import ScheduleBatch
+from engine.speculative import NgramDrafter, VerifyResult
 
 IN_BATCH_PREFIX_LEN = 32  # shared head length that defers a request to the next prefill round
 # Batches that fail in a row before the engine gives up (a broken device, not a bad request).
@@ -103,6 +104,13 @@ class Scheduler:
         # it is set, the next decode batch takes its input ids from the future-token buffer.
         self.inflight: tuple[ScheduleBatch, Callable[[], SampleResult]] | None = None
         self.overlapped_steps = 0  # decode batches launched while the previous one still ran
+        # Speculative decoding: decode batches become TARGET_VERIFY batches of drafts.
+        self.drafter = (NgramDrafter(config.speculative_num_draft_tokens, config.speculative_ngram_min,
+                                     config.speculative_ngram_max)
+                        if config.speculative_algorithm == "ngram" else None)
+        self.spec_draft_tokens = 0  # drafts scored by verify forwards
+        self.spec_accepted_tokens = 0  # drafts kept
+        self.spec_verify_requests = 0  # (request, verify step) pairs
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.cache, self.device)
@@ -180,7 +188,7 @@ class Scheduler:
         """Whether the next batch can be scheduled before the in-flight one's results: only a
         plain decode continuation can (prefill, aborts, retraction and penalties need them)."""
         running = self.running_batch.reqs
-        return not (self.waiting_queue or self.chunked_req or self.pending_aborts
+        return not (self.waiting_queue or self.chunked_req or self.pending_aborts or self.drafter is not None
                     or any(r.sampling_params.has_penalties for r in running)
                     or self.cache.available_size() < 2 * len(running) + 2)
 
@@ -278,13 +286,27 @@ class Scheduler:
             # Reserve every running request's full remaining output for a while: no thrashing.
             self.new_token_ratio = 1.0
         try:
-            batch.prepare_for_decode(from_future=self.inflight is not None)
+            drafts = self._drafts(batch.reqs) if self.drafter is not None else None
+            if drafts is not None:
+                batch.prepare_for_verify(drafts)
+            else:
+                batch.prepare_for_decode(from_future=self.inflight is not None)
         except Exception as e:
             self.failed += self.fail_reqs(batch.reqs, e)
             return None
         self.new_token_ratio = max(self.new_token_ratio - self.config.new_token_ratio_decay,
                                    self.config.min_new_token_ratio)
         return batch
+
+    def _drafts(self, reqs: list[Req]) -> list[list[int]] | None:
+        """Each running request's drafts (never past its max_new_tokens or the context), or
+        None when there are none or the pool cannot hold them (a plain decode step then)."""
+        drafts = [self.drafter.propose(r, min(r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
+                                              self.max_context_len - r.seqlen)) for r in reqs]
+        need = len(reqs) + sum(map(len, drafts))
+        if need == len(reqs) or need > self.cache.available_size():
+            return None
+        return drafts
 
     def complete(self, batch: ScheduleBatch, wait: Callable[[], SampleResult]) -> list[Req]:
         """Wait for a launched batch and process its result. A forward that raises fails
@@ -345,7 +367,10 @@ class Scheduler:
 
         def job() -> PendingSample:
             t0 = time.perf_counter()
-            pending = self.model_runner.forward_and_sample(fb, batch.reqs, batch.input_ids_from_future)
+            if batch.forward_mode.is_target_verify():
+                pending = self.model_runner.forward_and_verify(fb, batch.reqs, batch.drafts)
+            else:
+                pending = self.model_runner.forward_and_sample(fb, batch.reqs, batch.input_ids_from_future)
             self.forward_seconds[mode] += time.perf_counter() - t0
             return pending
 
@@ -358,9 +383,11 @@ class Scheduler:
         future = executor.submit(job)
         return lambda: future.result().resolve()
 
-    def process_batch_result(self, batch: ScheduleBatch, result: SampleResult) -> list[Req]:
+    def process_batch_result(self, batch: ScheduleBatch, result: SampleResult | VerifyResult) -> list[Req]:
         if batch.forward_mode.is_idle():
             return []
+        if batch.forward_mode.is_target_verify():
+            return self._process_verify(batch, result)
         touched, still_running = [], []
         decoding = batch.decoding_reqs
         for i, req in enumerate(batch.reqs):
@@ -374,7 +401,7 @@ class Scheduler:
                 self.cache.cache_unfinished_req(req)
                 continue
             try:
-                self._append_token(req, result, i)
+                self._append_token(req, result.next_token_ids[i], result.logprobs[i])
             except Exception as e:  # one request's bug (stop checks, say) fails that request only
                 touched += self.fail_reqs([req], e)
                 continue
@@ -394,10 +421,41 @@ class Scheduler:
             self.running_batch = self._new_batch(still_running)
         return touched
 
-    def _append_token(self, req: Req, result: SampleResult, i: int) -> None:
-        req.output_ids.append(result.next_token_ids[i])
+    def _process_verify(self, batch: ScheduleBatch, result: VerifyResult) -> list[Req]:
+        """Emit each request's accepted drafts and the target's token, one at a time with the
+        plain stop checks; the KV of what was not emitted goes back to the pool at once."""
+        self.spec_draft_tokens += result.drafted
+        self.spec_accepted_tokens += result.accepted
+        self.spec_verify_requests += len(batch.reqs)
+        touched, still_running = [], []
+        for i, req in enumerate(batch.reqs):
+            if result.bad[i]:
+                touched += self.fail_reqs([req], "the model produced non-finite logits or "
+                                                 "probabilities for this request")
+                continue
+            kept = 0
+            try:
+                for j, token in enumerate(result.tokens[i]):
+                    self._append_token(req, token, result.logprobs[i][j] if result.logprobs[i] else None)
+                    kept += 1
+                    if req.finished():
+                        break
+            except Exception as e:
+                touched += self.fail_reqs([req], e)
+                continue
+            self.cache.truncate(req, batch.prefix_lens[i] + kept)
+            if req.finished():
+                self.cache.cache_finished_req(req)
+            else:
+                still_running.append(req)
+            touched.append(req)
+        self.running_batch = self._new_batch(still_running)
+        return touched
+
+    def _append_token(self, req: Req, token: int, logprob: tuple | None) -> None:
+        req.output_ids.append(token)
         if req.sampling_params.logprobs:
-            req.output_logprobs.append(result.logprobs[i])
+            req.output_logprobs.append(logprob)
         self.generated_tokens += 1
         req.check_finished(self.eos_token_ids, self.max_context_len, self.decode_tail)
 

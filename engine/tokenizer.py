@@ -10,6 +10,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.builtin_model import resolve_model_path
 from engine.errors import ConfigError, InvalidRequestError
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -27,6 +28,7 @@ def _token_text(tok) -> str | None:
 
 class Tokenizer:
     def __init__(self, model_dir: str) -> None:
+        model_dir = resolve_model_path(model_dir)  # a folder, or a built-in model's name
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
             raise ConfigError(f"no tokenizer.json in model folder {model_dir!r}")

@@ -15,7 +15,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
 # gpu-marked tests, then the kernel tests (on the device when CUDA is there).
-timeout 240 python3 -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/test_cuda_graph.py \
+timeout 240 python3 -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/test_cuda_graph.py tests/engine/test_moe.py \
     -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 120 python3 -m pytest -q tests/kernels -p no:cacheprovider 2>&1 | tee -a "$out/gpu_tests.log"

@@ -45,7 +45,14 @@ class CausalLM:
       MLP input through `mlp_comm.gather` (all members' rows) and the MLP's partial output
       through `mlp_comm.reduce_scatter` (summed, back to this member's rows).
     - `num_parameters()`: parameters this member holds (its MLP shard only).
+    - `expert_tokens`: None for a dense model; for an MoE model an int64 [num_experts] tensor on
+      the device: the (token, expert) routings of every forward, summed over layers (a token
+      counts once per expert it is sent to). Read it with `.tolist()` off the hot path (a sync).
+      It counts what the forwards ran: under attention-DP every member counts the whole group's
+      rows, and padded rows of a replayed CUDA graph count too.
     """
+
+    expert_tokens: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),

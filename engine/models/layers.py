@@ -1,5 +1,5 @@
-"""Blocks the model files are built from: RMSNorm, RoPE, attention, the gated MLP, a pre-norm
-decoder layer, and the CPU row blocking of per-token work.
+"""Blocks the model files are built from: RMSNorm, RoPE, attention, the gated MLP, the sparse
+mixture-of-experts MLP, a pre-norm decoder layer, and the CPU row blocking of per-token work.
 
 Weights are plain tensors and `kernels.cpu_linear.Linear` projections (no nn.Module). Numerics
 follow transformers (RMSNorm in float32, rotate-half RoPE with the same inverse frequencies), so
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from kernels.cpu_linear import Linear
+from kernels.moe import expert_counts, grouped_moe, select_experts
 
 # Long prefills on the CPU run the per-token parts of a layer (norms, projections, RoPE, MLP) in
 # blocks of this many rows, so their intermediates (the MLP's [rows, 2 x intermediate] above
@@ -153,6 +154,66 @@ class GatedMLP:
 
     def numel(self) -> int:
         return self.gate_up.numel() + self.down.numel()
+
+
+class MoEMLP:
+    """A sparse mixture-of-experts MLP slot: a router linear scores E experts per token, the top_k
+    are chosen (softmax in float32, renormalised to sum to 1 if `renormalize`), and the output is
+    the routing-weighted sum of those experts, each a gated MLP with gate and up fused; plus, if
+    given, a shared expert scaled by sigmoid(shared_gate(x)) (Qwen2-MoE).
+
+    gate and up are [E, I, H], down [E, H, I]. Under attention-DP it holds the `shard` slice of
+    every expert's intermediate dim (every member routes all rows), so its output is a partial
+    sum like GatedMLP's. With `fused` (default: on CUDA) the experts run in the Triton fused
+    kernel (kernels.triton_moe) over stacked weights; otherwise grouped by expert, one oneDNN or
+    torch GEMM pair per active expert (kernels.moe). `expert_tokens` [E], if given,
+    accumulates the tokens routed to each expert (on the device, no host sync)."""
+
+    def __init__(self, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 top_k: int, renormalize: bool, shard: tuple[int, int] = (0, 1), onednn: bool = False,
+                 expert_tokens: torch.Tensor | None = None, shared: GatedMLP | None = None,
+                 shared_gate: torch.Tensor | None = None, fused: bool | None = None) -> None:
+        self.num_experts, self.top_k, self.renormalize = gate.shape[0], top_k, renormalize
+        if not 1 <= top_k <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {top_k} is not in [1, num_experts={self.num_experts}]")
+        lo, hi = shard_range(gate.shape[1], shard)
+        self.router = Linear(router, onednn=onednn)
+        w13 = torch.cat([gate[:, lo:hi], up[:, lo:hi]], dim=1)  # per expert: gate rows, then up rows
+        w2 = down[:, :, lo:hi].contiguous()
+        self.fused = w13.device.type == "cuda" if fused is None else fused
+        if self.fused:
+            from kernels.triton_moe import fused_moe  # triton only where this path runs
+
+            self.fused_moe, self.w13, self.w2 = fused_moe, w13, w2
+        else:
+            self.experts = [(Linear(w13[e], onednn=onednn), Linear(w2[e], onednn=onednn))
+                            for e in range(self.num_experts)]
+        self.expert_numel = w13.numel() + w2.numel()
+        self.expert_tokens = expert_tokens
+        self.shared = shared
+        self.shared_gate = Linear(shared_gate, onednn=onednn) if shared_gate is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
+        counts = expert_counts(ids, self.num_experts)
+        if self.expert_tokens is not None:
+            self.expert_tokens += counts
+        if self.fused:
+            out = self.fused_moe(x, self.w13, self.w2, weights, ids, counts=counts)
+        else:
+            out = grouped_moe(x, weights, ids, self.experts, counts)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def numel(self) -> int:
+        n = self.router.numel() + self.expert_numel
+        if self.shared is not None:
+            n += self.shared.numel() + (self.shared_gate.numel() if self.shared_gate is not None else 0)
+        return n
 
 
 class DecoderLayer:

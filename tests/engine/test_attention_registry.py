@@ -110,7 +110,8 @@ def test_unknown_name_lists_the_registered_ones():
 
 def test_importing_the_package_imports_no_optional_kernel_package():
     code = ("import sys, engine.attention, engine.model_runner; "
-            "print(sorted(m for m in ('triton', 'vllm_flash_attn', 'flash_attn', 'kernels.triton_attention') "
+            "print(sorted(m for m in ('triton', 'vllm_flash_attn', 'flash_attn', 'kernels.triton_attention',"
+            " 'kernels.triton_moe') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

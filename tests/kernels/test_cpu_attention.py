@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kernels import cpu_attention
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None,
-                                reason=f"CPU kernel not buildable here: {cpu_attention.build_error()}")
+                                reason="CPU kernel disabled (RADIXRAY_CPU_KERNELS=0) or not buildable here")
 
 
 def reference(q, k_buf, v_buf, req_to_token, rows, seq_lens, scale):

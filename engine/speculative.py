@@ -1,0 +1,132 @@
+"""Speculative decoding: drafters propose tokens, a TARGET_VERIFY forward scores them all at once,
+and `verify` keeps the longest prefix the target agrees with plus one token of its own.
+
+Acceptance keeps the target's distribution exactly. Greedy: a draft is kept while it equals the
+target's argmax. Sampling (a drafter that proposes one token deterministically, q = one-hot):
+draft d is kept with probability p(d); on a rejection the token comes from p with d removed
+(renormalised), which is max(p - q, 0) normalised; if every draft is kept, the bonus token comes
+from p at the last position. p is what the plain sampler would sample from at that position:
+the same penalties (over the output including the drafts before it), temperature, top-k/p, min-p."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from engine.req import Req
+from engine.sampling import apply_penalties, filtered_probs
+
+
+class NgramDrafter:
+    """Prompt lookup: the last n tokens (n from max_n down to min_n) are looked up among the
+    request's earlier tokens; the k tokens that followed their latest occurrence are the draft.
+    Each request keeps an index n-gram -> where its latest continuation starts, extended as
+    tokens arrive, so a proposal costs O(k), not a scan of the sequence."""
+
+    def __init__(self, k: int, min_n: int, max_n: int) -> None:
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+
+    def propose(self, req: Req, limit: int) -> list[int]:
+        """Up to min(k, limit) draft tokens for the request's next positions."""
+        tokens = req.fill_ids
+        index, done = req.spec_state if req.spec_state is not None else ({}, 0)
+        # An n-gram is indexed once its next token exists: ending at e (exclusive), e < len.
+        for e in range(max(done, self.min_n), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                index[tuple(tokens[e - n:e])] = e
+        req.spec_state = (index, len(tokens))
+        limit = min(self.k, limit)
+        if limit <= 0:
+            return []
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            start = index.get(tuple(tokens[len(tokens) - n:]))
+            if start is not None:
+                return tokens[start:start + limit]
+        return []
+
+
+class VerifyResult(msgspec.Struct):
+    """Per request of a verify batch: the tokens to emit (accepted drafts, then the target's
+    own), their logprobs when asked, and whether its logits were unusable (the request fails)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
+    bad: list[bool]
+    drafted: int  # draft tokens scored
+    accepted: int  # draft tokens kept
+
+
+@dataclass
+class _Position:
+    """A request as the plain sampler would see it at one verify position."""
+
+    sampling_params: object
+    origin_input_ids: list[int]
+    output_ids: list[int]
+
+
+def verify(logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]]) -> VerifyResult:
+    """logits [sum(1 + len(d)), vocab]: for each request, its 1 + len(d) positions in order."""
+    logits = logits.float()
+    tokens, logprobs, bad = [], [], []
+    drafted = accepted = start = 0
+    for req, draft in zip(reqs, drafts):
+        rows = logits[start:start + 1 + len(draft)]
+        start += 1 + len(draft)
+        params = req.sampling_params
+        if params.has_penalties:
+            rows = rows.clone()
+            for j in range(rows.shape[0]):
+                apply_penalties(rows[j], params, req.origin_input_ids, req.output_ids + draft[:j])
+        if not torch.isfinite(rows.amax(dim=-1)).all():
+            tokens.append([]), logprobs.append(None), bad.append(True)
+            continue
+        if params.is_greedy:
+            target = rows.argmax(dim=-1).tolist()
+            n = 0
+            while n < len(draft) and draft[n] == target[n]:
+                n += 1
+            out = draft[:n] + [target[n]]
+        else:
+            probs = filtered_probs(rows, [params] * rows.shape[0])
+            if not torch.isfinite(probs.sum(dim=-1)).all():
+                tokens.append([]), logprobs.append(None), bad.append(True)
+                continue
+            out = _rejection_sample(probs, draft, req.generator)
+            n = len(out) - 1
+        drafted += len(draft)
+        accepted += n
+        tokens.append(out)
+        bad.append(False)
+        logprobs.append(_logprobs(logits[start - 1 - len(draft):start], out, params) if params.logprobs else None)
+    return VerifyResult(tokens, logprobs, bad, drafted, accepted)
+
+
+def _rejection_sample(probs: torch.Tensor, draft: list[int], gen: torch.Generator | None) -> list[int]:
+    out = []
+    for j, d in enumerate(draft):
+        u = torch.rand((), generator=gen, device=probs.device)
+        if u < probs[j, d]:
+            out.append(d)
+            continue
+        residual = probs[j].clone()  # p(d) < 1 here, so some mass is left
+        residual[d] = 0.0
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=gen)[0]))
+        return out
+    out.append(int(torch.multinomial(probs[len(draft)], 1, generator=gen)[0]))
+    return out
+
+
+def _logprobs(rows: torch.Tensor, out: list[int], params) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Raw-distribution logprobs (as the plain sampler reports) of each emitted token."""
+    lp = torch.log_softmax(rows[:len(out)], dim=-1)
+    result = []
+    for j, t in enumerate(out):
+        top = []
+        if params.top_logprobs:
+            vals, idx = torch.topk(lp[j], params.top_logprobs)
+            top = list(zip(idx.tolist(), vals.tolist()))
+        result.append((float(lp[j, t]), top))
+    return result

@@ -1,0 +1,224 @@
+"""Mixture-of-experts models: greedy parity with transformers (Qwen3-MoE, Qwen2-MoE, Mixtral,
+OLMoE) in every batching mode, the grouped CPU path against the naive per-token reference, the
+expert-load counter, the attention-DP intermediate split, and the built-in MoE model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.builtin_model import (
+    BUILTIN_MODELS,
+    byte_level_tokenizer,
+    llama_config,
+    random_llama_weights,
+    resolve_model_path,
+    write_checkpoint,
+)
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.models import build_model, load_weights
+from engine.models.layers import MoEMLP
+from kernels.cpu_linear import Linear, onednn_linear_works
+from kernels.moe import expert_counts, grouped_moe, moe_ref, select_experts
+from tests.helpers import GREEDY, assert_matches_hf, prompts, run_staggered
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False)
+MOE_CONFIGS = {
+    # 8 experts, top-2, not renormalised; per-head q/k norm.
+    "qwen3_moe": llama_config(**SMALL, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                              head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    # top-1 of 8 (a decode step leaves 7 experts of every layer without tokens), renormalised;
+    # layer 0 dense through decoder_sparse_step.
+    "qwen3_moe_top1": llama_config(**SMALL, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                                   num_experts=8, num_experts_per_tok=1, moe_intermediate_size=64,
+                                   norm_topk_prob=True, decoder_sparse_step=2),
+    # 4 experts, top-3 (three terms summed per token), always renormalised.
+    "mixtral": llama_config(**{**SMALL, "intermediate_size": 48}, architectures=["MixtralForCausalLM"],
+                            model_type="mixtral", num_local_experts=4, num_experts_per_tok=3, sliding_window=None),
+    # a sigmoid-gated shared expert, q/k/v bias, layer 0 dense through mlp_only_layers.
+    "qwen2_moe": llama_config(**SMALL, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+                              num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+    # q/k norm over all heads, q/k/v clamped.
+    "olmoe": llama_config(**{**SMALL, "intermediate_size": 32}, architectures=["OlmoeForCausalLM"],
+                          model_type="olmoe", num_experts=8, num_experts_per_tok=2, clip_qkv=2.0),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe")
+    # std 0.15 as in conftest: peaked logits, so float32 rounding never decides a greedy tie.
+    return {name: write_checkpoint(str(root / name), cfg, random_llama_weights(cfg, seed=1, std=0.15),
+                                   byte_level_tokenizer())
+            for name, cfg in MOE_CONFIGS.items()}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_batch_matches_transformers(moe_dirs, hf, name):
+    path = moe_dirs[name]
+    eng = Engine(model_path=path)
+    ids = prompts(eng, 6, seed=1, lo=1, hi=40)
+    outs = eng.generate(input_ids=ids, sampling_params=GREEDY)
+    assert_matches_hf(eng, hf, path, ids, outs)
+    model = eng.model_runner.model
+    assert model.num_parameters() == sum(t.numel() for t in load_weights(path).values())
+    cfg = eng.model_config
+    sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
+    forwarded = sum(len(p) + 15 for p in ids)  # every prompt token and every output but the last
+    assert model.expert_tokens.sum().item() == forwarded * cfg.num_experts_per_tok * sparse
+    eng.check_memory()
+
+
+MODES = {
+    "no_radix_chunked": dict(disable_radix_cache=True, chunked_prefill_size=16, max_total_tokens=300),
+    "chunked": dict(chunked_prefill_size=7),
+    "retraction": dict(max_total_tokens=200),
+    "overlap": dict(enable_overlap=True, chunked_prefill_size=8),
+}
+
+
+@pytest.mark.parametrize("mode, name", [("no_radix_chunked", "qwen3_moe"), ("chunked", "mixtral"),
+                                        ("retraction", "qwen3_moe_top1"), ("retraction", "mixtral"),
+                                        ("overlap", "qwen2_moe")])
+def test_batching_modes_match_transformers(moe_dirs, hf, mode, name):
+    path = moe_dirs[name]
+    eng = Engine(model_path=path, **MODES[mode])
+    n = 12 if mode == "retraction" else 6
+    ids = prompts(eng, n, seed=7, lo=10, hi=40)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    outs = eng.generate(input_ids=ids, sampling_params=params)
+    if mode == "retraction":
+        assert eng.stats().num_retracted > 0
+    assert_matches_hf(eng, hf, path, ids, outs, n=24)
+    eng.check_memory()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_mixed_batches_and_cached_prefix(moe_dirs, hf, name):
+    path = moe_dirs[name]
+    eng = Engine(model_path=path, enable_mixed_chunk=True, chunked_prefill_size=8)
+    ids = prompts(eng, 6, seed=4, lo=10, hi=40)
+    outs = run_staggered(eng, ids, GREEDY)
+    assert eng.stats().batches_by_mode["MIXED"] > 0
+    assert_matches_hf(eng, hf, path, ids, outs)
+    again = eng.generate(input_ids=ids[:2], sampling_params=GREEDY)  # prefixes from the radix cache
+    assert all(o.cached_tokens > 0 for o in again)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:2]]
+    eng.check_memory()
+
+
+def experts(w13: torch.Tensor, w2: torch.Tensor, onednn: bool) -> list[tuple[Linear, Linear]]:
+    return [(Linear(w13[e], onednn=onednn), Linear(w2[e], onednn=onednn)) for e in range(w13.shape[0])]
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize("E, k, renorm", [(4, 1, False), (8, 2, False), (8, 2, True), (6, 3, True)])
+def test_grouped_moe_matches_naive_reference(E, k, renorm, onednn):
+    if onednn and not onednn_linear_works(torch.float32):
+        pytest.skip("this torch build has no working oneDNN linear")
+    g = torch.Generator().manual_seed(E * 10 + k)
+    H, inter = 64, 32
+    w13, w2 = torch.randn(E, 2 * inter, H, generator=g) * 0.15, torch.randn(E, H, inter, generator=g) * 0.15
+    layer = experts(w13, w2, onednn)
+    for T in (0, 1, 5, 37):
+        x = torch.randn(T, H, generator=g)
+        weights, ids = select_experts(torch.randn(T, E, generator=g), k, renorm)
+        if renorm and T:
+            torch.testing.assert_close(weights.sum(-1), torch.ones(T))
+        got = grouped_moe(x, weights, ids, layer)
+        assert got.shape == (T, H)
+        torch.testing.assert_close(got, moe_ref(x, weights, ids, w13, w2), atol=2e-5, rtol=1e-4)
+    # Routing that leaves experts 0 and E-1 without tokens.
+    x = torch.randn(9, H, generator=g)
+    ids = 1 + (torch.arange(9)[:, None] + torch.arange(k)) % (E - 2)  # k distinct experts per token
+    weights = torch.rand(9, k, generator=g)
+    counts = expert_counts(ids, E)
+    assert counts[0] == 0 and counts[-1] == 0 and counts.sum() == 9 * k
+    torch.testing.assert_close(grouped_moe(x, weights, ids, layer, counts), moe_ref(x, weights, ids, w13, w2),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_select_experts_is_transformers_routing():
+    """Mixtral's softmax over the top-k logits equals the renormalised top-k of the softmax."""
+    logits = torch.randn(20, 8, generator=torch.Generator().manual_seed(3))
+    weights, ids = select_experts(logits, 2, renormalize=True)
+    top_logits, top_ids = torch.topk(logits, 2, dim=-1)
+    assert torch.equal(ids, top_ids)
+    torch.testing.assert_close(weights, torch.softmax(top_logits, dim=-1))
+    raw, _ = select_experts(logits, 2, renormalize=False)
+    torch.testing.assert_close(raw, torch.softmax(logits, -1).gather(1, ids))
+
+
+def test_attention_dp_intermediate_split_sums_to_whole():
+    """Under attention-DP each member holds a slice of every expert's intermediate dim (and of the
+    shared expert); the members' partial outputs add up to the whole MoE MLP."""
+    g = torch.Generator().manual_seed(0)
+    E, H, inter = 4, 32, 16
+    router, down = torch.randn(E, H, generator=g), torch.randn(E, H, inter, generator=g)
+    gate, up = torch.randn(E, inter, H, generator=g), torch.randn(E, inter, H, generator=g)
+    x = torch.randn(11, H, generator=g)
+    whole = MoEMLP(router, gate, up, down, 2, True)
+    parts = [MoEMLP(router, gate, up, down, 2, True, shard=(r, 2)) for r in range(2)]
+    torch.testing.assert_close(parts[0](x) + parts[1](x), whole(x), atol=1e-4, rtol=1e-4)
+    assert parts[0].numel() + parts[1].numel() == whole.numel() + router.numel()
+    with pytest.raises(ConfigError, match="num_experts_per_tok 5"):
+        MoEMLP(router, gate, up, down, 5, True)
+
+
+def test_fused_triton_path_matches_grouped_cpu_path():
+    """The CPU twin of the CUDA path: the same MoE MLP (sharded too) through the Triton kernel
+    (interpreted here) and through the grouped CPU GEMMs."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(1)
+    E, H, inter = 6, 64, 32
+    router, down = torch.randn(E, H, generator=g), torch.randn(E, H, inter, generator=g) * 0.15
+    gate, up = torch.randn(E, inter, H, generator=g) * 0.15, torch.randn(E, inter, H, generator=g) * 0.15
+    x = torch.randn(13, H, generator=g)
+    for shard in ((0, 1), (1, 2)):
+        fused, grouped = (MoEMLP(router, gate, up, down, 2, False, shard, fused=f) for f in (True, False))
+        assert fused.fused and not grouped.fused and fused.numel() == grouped.numel()
+        torch.testing.assert_close(fused(x), grouped(x), atol=1e-5, rtol=1e-4)
+
+
+def test_expert_count_errors_are_config_errors(tmp_path):
+    cfg = dict(MOE_CONFIGS["qwen3_moe"], num_experts=0)
+    path = write_checkpoint(str(tmp_path), cfg, random_llama_weights(MOE_CONFIGS["qwen3_moe"], seed=0))
+    with pytest.raises(ConfigError, match="num_experts >= 1"):
+        build_model(ModelConfig.from_dir(path), path, torch.float32, torch.device("cpu"), 64)
+
+
+def test_builtin_moe_builds_and_generates(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXRAY_CACHE_DIR", str(tmp_path))
+    eng = Engine(model_path="builtin-moe", max_total_tokens=2048)
+    assert type(eng.model_runner.model).__name__ == "Qwen3MoeForCausalLM"
+    cfg = eng.model_config
+    assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
+    out = eng.generate(prompt="Hello", sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                                      ignore_eos=True))
+    assert len(out.token_ids) == 8
+    assert eng.model_runner.model.expert_tokens.sum().item() > 0
+    folder = resolve_model_path("builtin-moe")
+    assert folder.startswith(str(tmp_path)) and ModelConfig.from_dir(folder) == cfg
+    assert resolve_model_path(folder) == folder and set(BUILTIN_MODELS) == {"builtin", "builtin-moe"}
+    eng.check_memory()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_cuda_triton_moe_matches_transformers(moe_dirs, hf, name):
+    """On CUDA the experts run in the Triton kernel (decode replays CUDA graphs): float32 greedy
+    tokens equal transformers'; bfloat16 runs (its numerics: tests/kernels/test_triton_moe.py)."""
+    path = moe_dirs[name]
+    eng = Engine(model_path=path, device="cuda", dtype="float32", attention_backend="triton")
+    assert eng.model_runner.model.layers[-1].mlp.fused
+    ids = prompts(eng, 6, seed=1, lo=1, hi=40)
+    assert_matches_hf(eng, hf, path, ids, eng.generate(input_ids=ids, sampling_params=GREEDY))
+    bf16 = Engine(model_path=path, device="cuda", dtype="bfloat16", attention_backend="triton")
+    assert all(len(o.token_ids) == 16 for o in bf16.generate(input_ids=ids, sampling_params=GREEDY))
+    assert bf16.model_runner.model.expert_tokens.sum().item() > 0
+    eng.check_memory()
+    bf16.check_memory()

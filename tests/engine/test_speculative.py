@@ -1,0 +1,190 @@
+"""Speculative decoding (n-gram drafts, TARGET_VERIFY): greedy output identical to plain decoding
+in every batching mode, stops inside an accepted block, aborts, the memory invariant; and the
+rejection sampler keeps the target distribution (chi-square), which a broken rule fails."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine import Engine, SamplingParams
+from engine.req import Req
+from engine.speculative import NgramDrafter, verify
+
+NGRAM = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+
+
+def prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a short pattern (so drafts exist) next to plain random ones."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        pattern = [rng.randrange(3, 250) for _ in range(rng.randint(2, 6))]
+        head = [rng.randrange(3, 250) for _ in range(rng.randint(1, 20))]
+        out.append(head + pattern * rng.randint(2, 8) if i % 4 else head * 3)
+    return out
+
+
+def run(path: str, ids: list[list[int]], params, **engine) -> tuple[list, Engine]:
+    eng = Engine(model_path=path, **engine)
+    outs = eng.generate(input_ids=ids, sampling_params=params)
+    eng.check_memory()
+    return outs, eng
+
+
+@pytest.mark.parametrize("mode", [
+    {}, {"disable_radix_cache": True}, {"chunked_prefill_size": 16},
+    {"enable_mixed_chunk": True, "chunked_prefill_size": 16, "max_prefill_tokens": 32},
+    {"max_total_tokens": 360, "max_running_requests": 8},  # retraction under a tight pool
+    {"enable_overlap": True}, {"schedule_policy": "lpm", "speculative_num_draft_tokens": 7},
+])
+def test_greedy_output_is_unchanged(model_dirs, mode):
+    path, ids = model_dirs["llama"], prompts()
+    ref, _ = run(path, ids, GREEDY, **{k: v for k, v in mode.items() if not k.startswith("speculative")})
+    got, eng = run(path, ids, GREEDY, **{**NGRAM, **mode})
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    s = eng.stats()
+    assert s.batches_by_mode["TARGET_VERIFY"] > 0 and 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+
+
+def test_greedy_on_real_text(model_dirs):
+    path = model_dirs["stories"]
+    texts = ["Once upon a time, there was a little girl named Lily. She loved to play outside. One day, Lily",
+             "The cat sat on the mat. The cat sat on the", "Tom had a red ball. Tom had a"]
+    eng_ref, eng = Engine(model_path=path), Engine(model_path=path, **NGRAM)
+    params = SamplingParams(max_new_tokens=64, temperature=0)
+    assert ([o.token_ids for o in eng.generate(prompt=texts, sampling_params=params)]
+            == [o.token_ids for o in eng_ref.generate(prompt=texts, sampling_params=params)])
+    assert eng.stats().spec_accepted_tokens > 0
+    eng.check_memory()
+
+
+def test_stops_inside_an_accepted_block(model_dirs):
+    """max_new_tokens and stop strings or stop token ids that fall mid-block end the request
+    exactly where plain decoding ends it; logprobs come for every emitted token."""
+    path, ids = model_dirs["llama"], prompts(4, seed=3)
+    base, _ = run(path, ids, GREEDY)
+    rng = random.Random(1)
+    params = []
+    for out in base:
+        cut = rng.randrange(3, 30)
+        params.append(SamplingParams(max_new_tokens=cut, temperature=0, ignore_eos=True, logprobs=True))
+        params.append(SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True,
+                                     stop_token_ids=[out.token_ids[cut]]))
+        text = out.text
+        params.append(SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True,
+                                     stop=[text[len(text) // 2:len(text) // 2 + 3]] if len(text) > 8 else []))
+    many = [i for i in ids for _ in range(3)]
+    ref, _ = run(path, many, params)
+    got, eng = run(path, many, params, **NGRAM)
+    assert [(o.token_ids, o.finish_reason, o.text) for o in got] == [(o.token_ids, o.finish_reason, o.text)
+                                                                     for o in ref]
+    for o in got[::3]:
+        assert len(o.logprobs) == len(o.token_ids)
+        assert [lp.token_id for lp in o.logprobs] == o.token_ids
+    for a, b in zip(got[::3], ref[::3]):
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
+    assert eng.stats().spec_accepted_tokens > 0
+
+
+def test_abort_while_verifying(model_dirs):
+    eng = Engine(model_path=model_dirs["llama"], **NGRAM)
+    params = SamplingParams(max_new_tokens=500, temperature=0, ignore_eos=True)
+    ids = prompts(2, seed=5)
+    streams = [eng.stream(input_ids=i, sampling_params=params) for i in ids]
+    for s in streams:
+        next(s)
+    while eng.stats().batches_by_mode["TARGET_VERIFY"] < 3:
+        eng.step()
+    for s in streams:
+        s.close()  # aborts; the engine applies it before the next batch
+    while eng.step():
+        pass
+    assert eng.stats().num_aborted == 2
+    eng.check_memory()
+
+
+def test_ngram_drafter():
+    d = NgramDrafter(k=3, min_n=2, max_n=3)
+    req = Req("r", [1, 2, 3, 4, 5, 1, 2, 3], SamplingParams(max_new_tokens=10))
+    assert d.propose(req, limit=10) == [4, 5, 1]  # [1, 2, 3] was followed by 4, 5, 1
+    assert d.propose(req, limit=2) == [4, 5]
+    req.output_ids += [4, 9]  # ... 3, 4, 9: [3, 4] is followed by 5 earlier
+    assert d.propose(req, limit=10) == []  # [4, 9] and [3, 4, 9] never occurred
+    req.output_ids += [1, 2]
+    assert d.propose(req, limit=10) == [3, 4, 9]  # [9, 1, 2] is new; [1, 2] last continued with 3, 4, 9
+
+
+# ---- the sampler keeps the target's distribution -----------------------------------------------
+class _Fake:
+    def __init__(self, params: SamplingParams, seed: int) -> None:
+        self.sampling_params, self.origin_input_ids, self.output_ids = params, [1], []
+        self.generator = torch.Generator().manual_seed(seed)
+
+
+def _first_two(logits: torch.Tensor, draft: list[int], params: SamplingParams, n: int,
+               verify_fn=verify) -> tuple[list[int], list[int]]:
+    firsts, seconds = [], []
+    for seed in range(n):
+        out = verify_fn(logits, [_Fake(params, seed)], [draft]).tokens[0]
+        firsts.append(out[0])
+        if out[0] == draft[0]:
+            seconds.append(out[1])
+    return firsts, seconds
+
+
+def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    from engine.sampling import filtered_probs
+
+    return filtered_probs(logits.float(), [params] * logits.shape[0])
+
+
+def _fits(samples: list[int], probs: torch.Tensor) -> float:
+    support = [t for t in range(probs.numel()) if probs[t] > 0]
+    assert set(samples) <= set(support), "a token the target never samples"
+    if len(support) == 1:
+        return 1.0
+    observed = [samples.count(t) for t in support]
+    mass = sum(float(probs[t]) for t in support)
+    expected = [float(probs[t]) / mass * len(samples) for t in support]
+    expected[-1] = len(samples) - sum(expected[:-1])  # sums agree exactly (chisquare checks)
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9), SamplingParams(temperature=1.3, top_k=4),
+                                    SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05)])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=gen) * 1.5
+    draft = [int(torch.argsort(logits[0])[-2]), 1]  # a likely but not the likeliest first draft
+    probs = _target(logits, params)
+    firsts, seconds = _first_two(logits, draft, params, 4000)
+    # alpha 1e-4 per check: a false failure is rare; the broken rule below is off by far more.
+    assert _fits(firsts, probs[0]) > 1e-4
+    assert _fits(seconds, probs[1]) > 1e-4
+
+
+def test_a_broken_acceptance_rule_is_caught():
+    """Accepting every draft (what a verify that forgot the rejection step would do) fails."""
+    import engine.speculative as spec
+
+    params = SamplingParams(temperature=0.9)
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0)) * 1.5
+    draft = [int(torch.argsort(logits[0])[-2]), 1]
+
+    def broken(logits, reqs, drafts):
+        original = spec._rejection_sample
+        spec._rejection_sample = lambda probs, d, g: list(d) + [int(torch.multinomial(probs[len(d)], 1,
+                                                                                         generator=g)[0])]
+        try:
+            return verify(logits, reqs, drafts)
+        finally:
+            spec._rejection_sample = original
+
+    firsts, _ = _first_two(logits, draft, params, 2000, verify_fn=broken)
+    with pytest.raises(AssertionError):
+        assert _fits(firsts, _target(logits, params)[0]) > 1e-4
