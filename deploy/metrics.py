@@ -72,6 +72,12 @@ class ServerMetrics:
                                                  index.events_applied),
             "radixray_kv_index_resyncs_total": ("counter", "Snapshots that resynced the routing index (gaps, restarts).",
                                                 index.resyncs),
+            "radixray_spec_draft_tokens_total": ("counter", "Speculative draft tokens verified.",
+                                                 [e.engine.spec_draft_tokens for e in cluster_stats.engines]),
+            "radixray_spec_accepted_tokens_total": ("counter", "Speculative draft tokens accepted.",
+                                                    [e.engine.spec_accepted_tokens for e in cluster_stats.engines]),
+            "radixray_spec_verify_requests_total": ("counter", "Requests in verify steps (each emits accepted + 1 tokens).",
+                                                    [e.engine.spec_verify_requests for e in cluster_stats.engines]),
         }
         for name, (kind, help_text, values) in per_engine.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]

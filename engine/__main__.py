@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine import Engine, SamplingParams
+from engine import Engine, EngineConfig, SamplingParams
 from engine.errors import RadixRayError
+from engine.flags import add_struct_flags, given
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,9 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", default="auto")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    engine_fields = add_struct_flags(g.add_argument_group("engine options (EngineConfig)"), EngineConfig,
+                                     skip=("model_path", "device", "seed"))  # --seed: the request's
     args = ap.parse_args(argv)
     try:
-        eng = Engine(model_path=args.model, device=args.device)
+        eng = Engine(EngineConfig.from_kwargs(model_path=args.model, device=args.device,
+                                              **given(args, engine_fields)))
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed)
         if args.stream and len(args.prompt) == 1:

@@ -11,6 +11,10 @@ Cases (same machine, same weights, float32, greedy, ignore_eos):
               (and vs the same GEMM through oneDNN, which is faster on AMD CPUs).
   overlap     decode-heavy workload (32 x 256 tokens): overlap scheduling on vs off.
   linear      the model's GEMMs at 1, 32, 64 and 2048 rows: F.linear (MKL) vs oneDNN prepacked.
+  spec        speculative decoding (n-gram drafts, k=4) on vs off, batch 1 and 8, greedy, 128 new
+              tokens: (a) the bench model, whose random-weight greedy output falls into loops the
+              drafter predicts (drafts often right); (b) stories260K's real text (needs
+              RADIXRAY_TEST_DATA or --stories DIR). Decode tokens/s, acceptance, mean accepted length.
 `--quick` shrinks every workload (a smoke run, not a measurement to quote).
 """
 
@@ -219,8 +223,47 @@ def case_overlap(path: str, scale: float) -> None:
          f"({overlapped} decode steps overlapped)")
 
 
+def case_spec(path: str, scale: float, stories: str | None = None) -> None:
+    rng = random.Random(6)
+    out_len = max(32, int(128 * scale))
+    workloads = [("loops", path, random_prompts(8, 32, 32, BENCH_ARCH["vocab_size"], rng))]
+    stories = stories or (os.path.join(os.environ["RADIXRAY_TEST_DATA"], "models", "stories260K")
+                          if os.environ.get("RADIXRAY_TEST_DATA") else None)
+    if stories:
+        from engine.tokenizer import Tokenizer
+
+        tok = Tokenizer(stories)
+        texts = ["Once upon a time, there was a little girl named Lily. She loved to", "Tom and his dog went to the park.",
+                 "One day, a big bear came to the forest. The bear was", "Sue had a red ball. She liked to play",
+                 "The sun was shining. Max wanted to go outside", "There was a little bird who could not fly.",
+                 "Mom said, \"Let's bake a cake!\" Ben was happy.", "The boat went on the water. The kids"]
+        workloads.append(("stories", stories, [tok.encode(t) for t in texts]))
+    for name, model, prompts in workloads:
+        for bs in (1, 8):
+            rates, spec = {}, None
+            for algo in ("ngram", None):
+                eng = Engine(model_path=model, max_total_tokens=16384, speculative_algorithm=algo,
+                             speculative_num_draft_tokens=4)
+                run_engine(eng, prompts[:bs], [4] * bs)  # warm-up
+                eng.step_seconds.clear()
+                before = eng.stats()
+                run_engine(eng, prompts[:bs], [out_len] * bs)
+                decode_s = sum(eng.step_seconds[m] for m in ("DECODE", "TARGET_VERIFY"))
+                rates[algo] = (eng.stats().generated_tokens - before.generated_tokens - bs) / decode_s
+                if algo:
+                    after = eng.stats()
+                    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+                    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+                    steps = after.spec_verify_requests - before.spec_verify_requests
+                    spec = (accepted / max(drafted, 1), (accepted + steps) / max(steps, 1))
+                del eng
+            print(f"spec       {name} bs={bs}: ngram={rates['ngram']:,.1f} decode tok/s  off={rates[None]:,.1f}  "
+                  f"speedup={rates['ngram'] / rates[None]:.2f}x  acceptance={spec[0]:.0%}  "
+                  f"mean accepted length={spec[1]:.2f} (floor 2x at bs=1 where the length is >= 3)", flush=True)
+
+
 CASES = {"mixed": case_mixed, "prefill": case_prefill, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
-         "overlap": case_overlap, "linear": case_linear}
+         "overlap": case_overlap, "linear": case_linear, "spec": case_spec}
 
 
 def main(argv: list[str] | None = None) -> None:

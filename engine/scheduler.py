@@ -433,6 +433,8 @@ class Scheduler:
                 touched += self.fail_reqs([req], "the model produced non-finite logits or "
                                                  "probabilities for this request")
                 continue
+            draft = batch.drafts[i]
+            self.drafter.feedback(req, len(draft), len(result.tokens[i]) - 1)
             kept = 0
             try:
                 for j, token in enumerate(result.tokens[i]):

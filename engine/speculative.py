@@ -21,30 +21,62 @@ from engine.sampling import apply_penalties, filtered_probs
 
 class NgramDrafter:
     """Prompt lookup: the last n tokens (n from max_n down to min_n) are looked up among the
-    request's earlier tokens; the k tokens that followed their latest occurrence are the draft.
-    Each request keeps an index n-gram -> where its latest continuation starts, extended as
-    tokens arrive, so a proposal costs O(k), not a scan of the sequence."""
+    request's earlier tokens; the k tokens that followed their latest occurrence are the draft
+    (a continuation that runs into the present repeats with the match's period, as a loop
+    would). Each request keeps an index n-gram -> where its latest continuation starts,
+    extended as tokens arrive, so a proposal costs O(k), not a scan of the sequence.
+
+    Depth adapts per request: it doubles (up to k) after a step that kept every draft, halves
+    after one that kept none, and at zero the request decodes plainly for COOLDOWN steps."""
+
+    COOLDOWN = 8
 
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
     def propose(self, req: Req, limit: int) -> list[int]:
-        """Up to min(k, limit) draft tokens for the request's next positions."""
+        """Up to min(depth, limit) draft tokens for the request's next positions."""
         tokens = req.fill_ids
-        index, done = req.spec_state if req.spec_state is not None else ({}, 0)
-        # An n-gram is indexed once its next token exists: ending at e (exclusive), e < len.
-        for e in range(max(done, self.min_n), len(tokens)):
+        state = req.spec_state or _NgramState(self.k)
+        for e in range(max(state.indexed, self.min_n), len(tokens)):
             for n in range(self.min_n, min(self.max_n, e) + 1):
-                index[tuple(tokens[e - n:e])] = e
-        req.spec_state = (index, len(tokens))
-        limit = min(self.k, limit)
+                state.index[tuple(tokens[e - n:e])] = e
+        state.indexed = len(tokens)
+        req.spec_state = state
+        if state.cooldown:
+            state.cooldown -= 1
+            return []
+        limit = min(state.depth, limit)
         if limit <= 0:
             return []
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            start = index.get(tuple(tokens[len(tokens) - n:]))
+            start = state.index.get(tuple(tokens[len(tokens) - n:]))
             if start is not None:
-                return tokens[start:start + limit]
+                draft: list[int] = []
+                for pos in range(start, start + limit):
+                    draft.append(tokens[pos] if pos < len(tokens) else draft[pos - len(tokens)])
+                return draft
         return []
+
+    def feedback(self, req: Req, drafted: int, accepted: int) -> None:
+        state = req.spec_state
+        if state is None or drafted == 0:
+            return
+        if accepted == drafted:
+            state.depth = min(self.k, 2 * state.depth)
+        elif accepted == 0:
+            state.depth //= 2
+            if state.depth == 0:
+                state.depth, state.cooldown = 1, self.COOLDOWN
+
+
+class _NgramState:
+    __slots__ = ("index", "indexed", "depth", "cooldown")
+
+    def __init__(self, depth: int) -> None:
+        self.index: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # tokens whose n-grams are in the index
+        self.depth, self.cooldown = depth, 0
 
 
 class VerifyResult(msgspec.Struct):

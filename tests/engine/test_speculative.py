@@ -117,6 +117,15 @@ def test_ngram_drafter():
     assert d.propose(req, limit=10) == []  # [4, 9] and [3, 4, 9] never occurred
     req.output_ids += [1, 2]
     assert d.propose(req, limit=10) == [3, 4, 9]  # [9, 1, 2] is new; [1, 2] last continued with 3, 4, 9
+    loop = Req("l", [5, 8, 6, 8, 6, 8], SamplingParams(max_new_tokens=10))
+    assert d.propose(loop, limit=10) == [6, 8, 6]  # runs into the present: the period (2) repeats
+    d.feedback(loop, 3, 0)  # nothing kept: depth 3 -> 1
+    assert d.propose(loop, limit=10) == [6]
+    d.feedback(loop, 1, 0)  # depth 0: plain decoding for a while
+    assert [d.propose(loop, limit=10) for _ in range(NgramDrafter.COOLDOWN)] == [[]] * NgramDrafter.COOLDOWN
+    assert d.propose(loop, limit=10) == [6]
+    d.feedback(loop, 1, 1)
+    assert d.propose(loop, limit=10) == [6, 8]  # all kept: depth doubles
 
 
 # ---- the sampler keeps the target's distribution -----------------------------------------------

@@ -1,0 +1,53 @@
+"""Command-line flags generated from msgspec config structs: one flag per field, same name with
+dashes, typed and (for Literal fields) with choices, so no CLI re-declares a config field."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import msgspec
+
+
+def _scalar(t: msgspec.inspect.Type) -> msgspec.inspect.Type | None:
+    """The one non-None member of an optional type; None for types a flag cannot carry."""
+    if isinstance(t, msgspec.inspect.UnionType):
+        members = [m for m in t.types if not isinstance(m, msgspec.inspect.NoneType)]
+        return _scalar(members[0]) if len(members) == 1 else None
+    kinds = (msgspec.inspect.BoolType, msgspec.inspect.IntType, msgspec.inspect.FloatType,
+             msgspec.inspect.StrType, msgspec.inspect.LiteralType, msgspec.inspect.DictType)
+    return t if isinstance(t, kinds) else None
+
+
+def add_struct_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple[str, ...] = (),
+                     renames: dict[str, str] | None = None, help: dict[str, str] | None = None) -> list[str]:
+    """Add --field-name for each field of `cls` a flag can carry; defaults are None (unset), so
+    only the flags given override the struct's own defaults. Returns the fields added."""
+    renames, HELP = renames or {}, help or {}
+    added = []
+    for f in msgspec.inspect.type_info(cls).fields:
+        t = _scalar(f.type)
+        if f.name in skip or t is None:
+            continue
+        if isinstance(t, msgspec.inspect.BoolType) and f.default is True:
+            raise TypeError(f"{cls.__name__}.{f.name} defaults to True: a store_true flag cannot turn it off")
+        flag = "--" + renames.get(f.name, f.name).replace("_", "-")
+        default = f.default if f.default is not msgspec.NODEFAULT else None
+        help_text = HELP.get(f.name, f"default: {default}")
+        if isinstance(t, msgspec.inspect.BoolType):
+            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
+        elif isinstance(t, msgspec.inspect.LiteralType):
+            parser.add_argument(flag, dest=f.name, choices=list(t.values), default=None, help=help_text)
+        elif isinstance(t, msgspec.inspect.DictType):  # a JSON object, e.g. '{"load_weight": 0.2}'
+            parser.add_argument(flag, dest=f.name, type=msgspec.json.decode, default=None,
+                                help=HELP.get(f.name, "a JSON object"))
+        else:
+            kind = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(t), str)
+            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
+        added.append(f.name)
+    return added
+
+
+def given(args: argparse.Namespace, fields: list[str]) -> dict[str, Any]:
+    """The fields whose flags were given."""
+    return {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}

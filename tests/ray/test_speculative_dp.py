@@ -1,0 +1,31 @@
+"""Speculative decoding inside an attention-DP group: members verify different numbers of draft
+tokens in one lock-step (a member with nothing runs IDLE), and greedy output is unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import Cluster, ClusterConfig
+from engine import Engine, SamplingParams
+from tests.engine.test_speculative import prompts
+
+pytestmark = pytest.mark.ray
+GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def test_group_with_ngram_drafts_matches_plain_decoding(ray_local, model_dirs):
+    path = model_dirs["llama"]
+    ids = prompts(6, seed=9)
+    ref = Engine(model_path=path).generate(input_ids=ids, sampling_params=GREEDY)
+    cfg = ClusterConfig(model_path=path, num_engines=2, routing="round_robin", dp_attention=True,
+                        engine={"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3})
+    with Cluster(cfg) as cl:
+        both = cl.generate(input_ids=ids, sampling_params=GREEDY)
+        assert [o.token_ids for o in both] == [r.token_ids for r in ref]
+        one = cl.generate(input_ids=ids[1], sampling_params=GREEDY)  # the other member runs IDLE
+        assert one.token_ids == ref[1].token_ids
+        engines = [e.engine for e in cl.stats().engines]
+        assert all(e.batches_by_mode["TARGET_VERIFY"] > 0 for e in engines)
+        assert sum(e.batches_by_mode["IDLE"] for e in engines) > 0
+        assert sum(e.spec_accepted_tokens for e in engines) > 0
+        cl.check_memory()
