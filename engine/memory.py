@@ -40,9 +40,10 @@ class TokenToKVPoolAllocator:
         self.free_slots = torch.arange(1, size + 1, dtype=torch.int64, device=device)
         # Frees are batched: concatenating on every release would be O(n) per finished request.
         self._pending: list[torch.Tensor] = []
+        self._pending_size = 0
 
     def available_size(self) -> int:
-        return len(self.free_slots) + sum(len(p) for p in self._pending)
+        return len(self.free_slots) + self._pending_size
 
     def alloc(self, n: int) -> torch.Tensor | None:
         if n > len(self.free_slots) and self._pending:
@@ -55,10 +56,12 @@ class TokenToKVPoolAllocator:
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self._pending.append(slots.to(device=self.device, dtype=torch.int64))
+            self._pending_size += slots.numel()
 
     def _merge(self) -> None:
         self.free_slots = torch.cat([self.free_slots, *self._pending])
         self._pending.clear()
+        self._pending_size = 0
 
     def check_no_duplicates(self) -> None:
         """Debug check used by tests: every free slot is distinct and in range."""

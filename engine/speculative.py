@@ -102,37 +102,44 @@ class _Position:
 def verify(logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]]) -> VerifyResult:
     """logits [sum(1 + len(d)), vocab]: for each request, its 1 + len(d) positions in order."""
     logits = logits.float()
+    # One pass over the batch for the common case (greedy, no penalties): argmax and the
+    # finiteness check of every row, copied to the host once.
+    row_ok = torch.isfinite(logits.amax(dim=-1)).tolist()
+    row_argmax = logits.argmax(dim=-1).tolist()
     tokens, logprobs, bad = [], [], []
     drafted = accepted = start = 0
     for req, draft in zip(reqs, drafts):
-        rows = logits[start:start + 1 + len(draft)]
-        start += 1 + len(draft)
+        n_rows = 1 + len(draft)
         params = req.sampling_params
-        if params.has_penalties:
-            rows = rows.clone()
-            for j in range(rows.shape[0]):
-                apply_penalties(rows[j], params, req.origin_input_ids, req.output_ids + draft[:j])
-        if not torch.isfinite(rows.amax(dim=-1)).all():
-            tokens.append([]), logprobs.append(None), bad.append(True)
-            continue
-        if params.is_greedy:
-            target = rows.argmax(dim=-1).tolist()
+        if params.is_greedy and not params.has_penalties:
+            ok, target = all(row_ok[start:start + n_rows]), row_argmax[start:start + n_rows]
+        else:
+            rows = logits[start:start + n_rows]
+            if params.has_penalties:
+                rows = rows.clone()
+                for j in range(n_rows):
+                    apply_penalties(rows[j], params, req.origin_input_ids, req.output_ids + draft[:j])
+            ok = bool(torch.isfinite(rows.amax(dim=-1)).all())
+            target = rows.argmax(dim=-1).tolist() if ok and params.is_greedy else None
+        if ok and target is None:  # sampling
+            probs = filtered_probs(rows, [params] * n_rows)
+            ok = bool(torch.isfinite(probs.sum(dim=-1)).all())
+            out = _rejection_sample(probs, draft, req.generator) if ok else []
+        elif ok:
             n = 0
             while n < len(draft) and draft[n] == target[n]:
                 n += 1
             out = draft[:n] + [target[n]]
-        else:
-            probs = filtered_probs(rows, [params] * rows.shape[0])
-            if not torch.isfinite(probs.sum(dim=-1)).all():
-                tokens.append([]), logprobs.append(None), bad.append(True)
-                continue
-            out = _rejection_sample(probs, draft, req.generator)
-            n = len(out) - 1
+        if not ok:
+            tokens.append([]), logprobs.append(None), bad.append(True)
+            start += n_rows
+            continue
         drafted += len(draft)
-        accepted += n
+        accepted += len(out) - 1
         tokens.append(out)
         bad.append(False)
-        logprobs.append(_logprobs(logits[start - 1 - len(draft):start], out, params) if params.logprobs else None)
+        logprobs.append(_logprobs(logits[start:start + n_rows], out, params) if params.logprobs else None)
+        start += n_rows
     return VerifyResult(tokens, logprobs, bad, drafted, accepted)
 
 
