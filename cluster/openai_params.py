@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine import SamplingParams
+from engine import InvalidRequestError, SamplingParams
 
 
 class OpenAISampling(msgspec.Struct, kw_only=True):
@@ -22,16 +22,23 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    min_tokens: int = 0
 
     def sampling_params(self, default_max_tokens: int, max_tokens: int | None = None, logprobs: bool = False,
                         top_logprobs: int = 0) -> SamplingParams:
         """max_tokens overrides the field (chat's max_completion_tokens); raises InvalidRequestError."""
         max_tokens = max_tokens if max_tokens is not None else self.max_tokens
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        try:
+            bias = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
+        except ValueError:
+            raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from None
         return SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else default_max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens)
+            top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
+            min_tokens=self.min_tokens)

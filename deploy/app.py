@@ -25,7 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import Cluster, ClusterConfig
 from cluster.config import ENGINE_OWN_FIELDS
 from deploy.metrics import ServerMetrics
-from deploy.protocol import ChatCompletionRequest, CompletionRequest
+from deploy.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from engine import EngineConfig, InvalidRequestError, SamplingParams, StreamDelta
 from engine.config import build_config
 from engine.errors import ConfigError, invalid_request_from
@@ -193,13 +198,13 @@ class OpenAIServer:
             return error_response(503, "no engine is available", "server_error", code="no_engine")
         return None
 
-    async def _merged(self, request: Request, rid: str, inputs: list[list[int]],
-                      params: SamplingParams) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """Stream several prompts at once: (choice index, delta) as they come."""
+    async def _merged(self, request: Request, rid: str,
+                      choices: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """Stream several choices (prompt ids, sampling) at once: (choice index, delta) as they come."""
         queue: asyncio.Queue = asyncio.Queue()
-        rids = [f"{rid}-{i}" for i in range(len(inputs))]
+        rids = [f"{rid}-{i}" for i in range(len(choices))]
 
-        async def pump(i: int, ids: list[int]) -> None:
+        async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
             """Every choice ends with a final delta, whatever stream_ids does."""
             try:
                 async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[i])) as deltas:
@@ -220,10 +225,10 @@ class OpenAIServer:
                 pass
             queue.put_nowait((-1, None))
 
-        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(inputs)]
+        tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(choices)]
         tasks.append(asyncio.create_task(watch_client()))
         try:
-            live = len(inputs)
+            live = len(choices)
             while live:
                 i, d = await queue.get()
                 if i < 0:
@@ -257,11 +262,19 @@ class OpenAIServer:
     def _token_str(self, token_id: int) -> str:
         return self.cluster.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _usage(self, finals: list[StreamDelta]) -> dict:
-        prompt = sum(d.prompt_tokens for d in finals)
-        completion = sum(d.completion_tokens for d in finals)
+    @staticmethod
+    def _usage(lasts: list[StreamDelta | None], n: int) -> dict:
+        """Usage from each choice's latest delta (None: none yet). A prompt counts once for its
+        n choices; its cached tokens are the most any of its choices found in the cache."""
+        prompt = cached = 0
+        for start in range(0, len(lasts), n):
+            group = [d for d in lasts[start:start + n] if d is not None]
+            if group:
+                prompt += group[0].prompt_tokens
+                cached += max(d.cached_tokens for d in group)
+        completion = sum(d.completion_tokens for d in lasts if d is not None)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in finals)}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     # ---- endpoints -------------------------------------------------------------------------
     @app.get("/health")
@@ -283,6 +296,28 @@ class OpenAIServer:
     async def metrics_endpoint(self) -> Response:
         stats = await asyncio.to_thread(self.cluster.stats)
         return PlainTextResponse(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        req = await self._read(request, TokenizeRequest)
+        if isinstance(req, Response):
+            return req
+        try:
+            ids = self.cluster.inputs.tokenize(**req.prompt_input())
+        except InvalidRequestError as e:
+            return error_response(400, str(e), param=e.param)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.cluster.inputs.max_len})
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        req = await self._read(request, DetokenizeRequest)
+        if isinstance(req, Response):
+            return req
+        try:
+            self.cluster.inputs.validate_input_ids(req.tokens)
+        except InvalidRequestError as e:
+            return error_response(400, str(e).replace("the prompt", "tokens"), param="tokens")
+        return JSONResponse({"prompt": self.cluster.tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -315,7 +350,12 @@ class OpenAIServer:
         if (busy := self._no_engine()) is not None:
             return self._rejected(rid, busy)
         obj = "chat.completion" if chat else "text_completion"
-        return await self._respond(request, req, rid, obj, inputs, params, chat=chat)
+        # n choices per prompt (index = prompt * n + j), each with its own seed stream; they share
+        # the prompt's prefill through the radix cache.
+        choices = [(ids, params if j == 0 or params.seed is None
+                     else msgspec.structs.replace(params, seed=(params.seed + j) % (1 << 64)))
+                   for ids in inputs for j in range(req.n)]
+        return await self._respond(request, req, rid, obj, choices, chat=chat)
 
     def _rejected(self, rid: str, response: JSONResponse) -> JSONResponse:
         self.metrics.requests["invalid" if response.status_code < 500 else "error"] += 1
@@ -339,24 +379,24 @@ class OpenAIServer:
                 "top_logprobs": [{self._token_str(t): v for t, v in lp.top_logprobs} for lp in lps],
                 "text_offset": []}
 
-    async def _respond(self, request: Request, req, rid: str, obj: str, inputs: list[list[int]], params: SamplingParams,
-                       chat: bool) -> Response:
+    async def _respond(self, request: Request, req, rid: str, obj: str,
+                       choices: list[tuple[list[int], SamplingParams]], chat: bool) -> Response:
         if req.stream:
-            return ClosingStreamingResponse(self._sse(request, req, rid, inputs, params, chat),
+            return ClosingStreamingResponse(self._sse(request, req, rid, choices, chat),
                                      media_type="text/event-stream")
         t0 = time.monotonic()
-        per_choice: list[list[StreamDelta]] = [[] for _ in inputs]
+        per_choice: list[list[StreamDelta]] = [[] for _ in choices]
         try:
-            async with contextlib.aclosing(self._merged(request, rid, inputs, params)) as merged:
+            async with contextlib.aclosing(self._merged(request, rid, choices)) as merged:
                 async for i, d in merged:
                     if not per_choice[i] and d.token_ids:
                         self.metrics.ttft.observe(time.monotonic() - t0)
                     per_choice[i].append(d)
         except ClientDisconnected:
-            self._client_left(rid, len(inputs))
+            self._client_left(rid, len(choices))
             return Response(status_code=499)  # nobody reads it
         except BaseException:  # cancelled: the client timed out or went away
-            self._client_left(rid, len(inputs))
+            self._client_left(rid, len(choices))
             raise
         finals = [c[-1] for c in per_choice]
         for c in per_choice:
@@ -364,7 +404,7 @@ class OpenAIServer:
         failed = next((f for f in finals if f.error), None)
         if failed is not None:
             return delta_error_response(failed)
-        choices = []
+        out = []
         for i, deltas in enumerate(per_choice):
             text = "".join(d.text for d in deltas)
             choice: dict[str, Any] = {"index": i, "finish_reason": deltas[-1].finish_reason,
@@ -373,31 +413,34 @@ class OpenAIServer:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choices.append(choice)
+            out.append(choice)
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
-                             "choices": choices, "usage": self._usage(finals)})
+                             "choices": out, "usage": self._usage(finals, req.n)})
 
-    async def _sse(self, request: Request, req, rid: str, inputs: list[list[int]], params: SamplingParams,
+    async def _sse(self, request: Request, req, rid: str, choices: list[tuple[list[int], SamplingParams]],
                    chat: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         t0 = time.monotonic()
         last_token_at: dict[int, float] = {}
-        per_choice: list[list[StreamDelta]] = [[] for _ in inputs]
+        per_choice: list[list[StreamDelta]] = [[] for _ in choices]
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+        def chunk(parts: list[dict], usage: dict | None = None) -> bytes:
+            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": parts}
+            if usage is None and req.continuous_usage and parts:
+                usage = self._usage([c[-1] if c else None for c in per_choice], req.n)
             if usage is not None:
                 body["usage"] = usage
             return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
         if chat:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+            for i in range(len(choices)):  # one chunk per choice, as the other servers send it
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
         last_write = time.monotonic()
         completed = False
         try:
-            async with contextlib.aclosing(self._merged(request, rid, inputs, params)) as merged:
+            async with contextlib.aclosing(self._merged(request, rid, choices)) as merged:
                 async for i, d in merged:
                     per_choice[i].append(d)
                     now = time.monotonic()
@@ -438,12 +481,12 @@ class OpenAIServer:
             return  # the client is gone: nothing more to write
         finally:
             if not completed:
-                self._client_left(rid, len(inputs))
+                self._client_left(rid, len(choices))
         for c in per_choice:
             if c:
                 self._record(c)
         if req.include_usage:
-            yield chunk([], self._usage([c[-1] for c in per_choice if c]))
+            yield chunk([], self._usage([c[-1] if c else None for c in per_choice], req.n))
         yield b"data: [DONE]\n\n"
 
 

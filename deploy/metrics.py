@@ -82,6 +82,11 @@ class ServerMetrics:
         for name, (kind, help_text, values) in per_engine.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             lines += [f'{name}{{engine="{i}"}} {v}' for i, v in enumerate(values)]
+        name = "radixray_engine_expert_tokens_total"
+        lines += [f"# HELP {name} MoE: (token, expert) pairs the engine's experts computed (an attention-DP member "
+                  "with expert parallelism counts its own experts only).", f"# TYPE {name} counter"]
+        for i, eng in enumerate(cluster_stats.engines):
+            lines += [f'{name}{{engine="{i}",expert="{e}"}} {n}' for e, n in enumerate(eng.engine.expert_tokens)]
         engines = [e.engine for e in cluster_stats.engines]
         actual = sum(e.cached_tokens for e in engines) / max(sum(e.prompt_tokens for e in engines), 1)
         lines += ["# HELP radixray_prefix_hit_rate Prompt tokens the engines served from their caches / prompt tokens.",

@@ -13,6 +13,9 @@ from engine import InvalidRequestError, SamplingParams
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage so far on every chunk (vLLM's option)
+
+MAX_N = 128
 
 
 class _Common(OpenAISampling, kw_only=True):
@@ -26,8 +29,8 @@ class _Common(OpenAISampling, kw_only=True):
 
     def to_sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
                     default_max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         return self.sampling_params(default_max_tokens, max_tokens, logprobs, top_logprobs)
 
     def validate(self) -> None:
@@ -36,6 +39,10 @@ class _Common(OpenAISampling, kw_only=True):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -127,3 +134,32 @@ class ChatCompletionRequest(_Common, kw_only=True):
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
         return [{"messages": [m.as_dict() for m in self.messages]}]
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize (vLLM's shape): a prompt or chat messages -> token ids."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    def validate(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
+        for i, m in enumerate(self.messages or []):
+            m.validate(i)
+
+    def prompt_input(self) -> dict[str, Any]:
+        if self.messages is not None:
+            return {"messages": [m.as_dict() for m in self.messages]}
+        return {"prompt": self.prompt}
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /detokenize: token ids -> text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    def validate(self) -> None:
+        pass

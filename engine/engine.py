@@ -89,6 +89,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_draft_tokens: int = 0  # speculative decoding: drafts scored by verify forwards
     spec_accepted_tokens: int = 0  # drafts kept
     spec_verify_requests: int = 0  # (request, verify step) pairs: tokens emitted = accepted + this
+    expert_tokens: list[int] = []  # MoE: (token, expert) pairs this engine's experts computed, by expert
     # Batches run, by ForwardMode name; every mode is present (0 if none ran), so readers index it.
     batches_by_mode: dict[str, int] = msgspec.field(default_factory=lambda: dict.fromkeys(ForwardMode.__members__, 0))
 
@@ -118,7 +119,8 @@ class Engine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(self.config, self.model_runner, frozenset(eos), self.tokenizer.decode)
+        self.eos_ids = frozenset(eos)
+        self.scheduler = Scheduler(self.config, self.model_runner, self.eos_ids, self.tokenizer.decode)
         mr = self.model_runner
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, mr.max_context_len,
                                      mr.max_total_tokens)
@@ -161,6 +163,8 @@ class Engine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
         req = Req(rid, list(input_ids), params, gen)
+        if params.min_tokens:
+            req.banned_early = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
         self._inbox.put(("add", _Tracker(req, detok, sink)))
         if self.dead is not None:  # the loop died while we queued: nobody else will answer
@@ -426,6 +430,7 @@ class Engine:
             spec_draft_tokens=s.spec_draft_tokens,
             spec_accepted_tokens=s.spec_accepted_tokens,
             spec_verify_requests=s.spec_verify_requests,
+            expert_tokens=self.model_runner.expert_token_counts(),
             batches_by_mode={mode: s.batches_by_mode[mode] for mode in ForwardMode.__members__},
         )
 

@@ -53,6 +53,8 @@ class InputProcessor:
                                       "top_k")
         if not all(0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        if not all(0 <= t < vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {vocab})", "logit_bias")
         if num_input + params.max_new_tokens > self.max_len:
             raise InvalidRequestError(
                 f"prompt ({num_input} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "

@@ -47,6 +47,8 @@ class Req:
         self.output_logprobs: list = []
         self.num_retractions = 0
         self.spec_state = None  # the drafter's per-request state (speculative decoding)
+        # min_tokens: the ids that may not be sampled before it (EOS unless ignored, stop ids).
+        self.banned_early: frozenset[int] = frozenset()
         self.stop_str_max_len = max((len(s) for s in sampling_params.stop), default=0)
 
     @property

@@ -32,6 +32,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many outputs
 
     def __post_init__(self) -> None:
         # Direct construction skips msgspec's type checks: normalise and re-check here.
@@ -39,6 +41,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             msgspec.structs.force_setattr(self, "stop", (self.stop,))
         for name in ("stop", "stop_token_ids"):
             msgspec.structs.force_setattr(self, name, tuple(getattr(self, name) or ()))
+        if isinstance(self.logit_bias, dict):
+            msgspec.structs.force_setattr(self, "logit_bias", tuple(self.logit_bias.items()))
+        msgspec.structs.force_setattr(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias or ()))
         for name, kinds in _FIELD_KINDS.items():
             v = getattr(self, name)
             if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
@@ -71,6 +76,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         need(0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]", "top_logprobs")
         need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", "stop")
         need(len(self.stop) <= 16, "at most 16 stop strings", "stop")
+        need(all(len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
+                 and isinstance(pair[1], int | float) and not isinstance(pair[1], bool) and _is_finite(pair[1])
+                 and -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias),
+             "logit_bias maps token ids to numbers in [-100, 100]", "logit_bias")
+        need(len(self.logit_bias) <= 1024, "at most 1024 logit_bias entries", "logit_bias")
+        need(0 <= self.min_tokens <= self.max_new_tokens, f"min_tokens must be in [0, max_tokens], got "
+             f"{self.min_tokens}", "min_tokens")
 
     @property
     def is_greedy(self) -> bool:
@@ -78,7 +90,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+        """Its logits are adjusted before sampling (penalties, logit_bias, min_tokens): the
+        sampler needs the request's output so far."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
 
 def _is_finite(v: float) -> bool:
@@ -92,7 +107,7 @@ _FIELD_KINDS: dict[str, tuple[type, ...]] = {
     "max_new_tokens": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,),
     "min_p": (int, float), "seed": (int, type(None)), "frequency_penalty": (int, float),
     "presence_penalty": (int, float), "repetition_penalty": (int, float), "ignore_eos": (bool,),
-    "logprobs": (bool,), "top_logprobs": (int,), "skip_special_tokens": (bool,),
+    "logprobs": (bool,), "top_logprobs": (int,), "skip_special_tokens": (bool,), "min_tokens": (int,),
 }
 
 
@@ -104,8 +119,9 @@ class SampleResult(msgspec.Struct):
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                    output_ids: list[int]) -> None:
-    """In place on one row: OpenAI frequency/presence (outputs) and HF repetition (all tokens)."""
+                    output_ids: list[int], banned_early: frozenset[int] = frozenset()) -> None:
+    """In place on one row: OpenAI frequency/presence (outputs), HF repetition (all tokens),
+    logit_bias, and min_tokens (`banned_early`, the EOS and stop ids, cannot come yet)."""
     if output_ids and (params.frequency_penalty or params.presence_penalty):
         counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.numel())
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
@@ -113,6 +129,11 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    if len(output_ids) < params.min_tokens and banned_early:
+        logits[list(banned_early)] = float("-inf")
 
 
 def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -128,7 +149,7 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
         logits = logits.clone()
         for i, r in enumerate(reqs):
             if r.sampling_params.has_penalties:
-                apply_penalties(logits[i], r.sampling_params, r.origin_input_ids, r.output_ids)
+                apply_penalties(logits[i], r.sampling_params, r.origin_input_ids, r.output_ids, r.banned_early)
 
     # max() propagates NaN and +inf, and is -inf only when nothing can be sampled; masked (-inf)
     # tokens beside finite ones are fine. One reduction per row, not an isfinite pass over all.

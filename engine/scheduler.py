@@ -267,9 +267,10 @@ class Scheduler:
         if self.config.disable_radix_cache or len(req.prefix_indices) >= IN_BATCH_PREFIX_LEN:
             return False
         fill = req.origin_input_ids
-        if len(fill) <= IN_BATCH_PREFIX_LEN:
+        if len(fill) < 2 or len(req.prefix_indices) >= len(fill) - 1:
             return False
-        head = tuple(fill[:IN_BATCH_PREFIX_LEN])
+        # A shorter prompt shares only with its exact copies (the n choices of one request).
+        head = tuple(fill[:IN_BATCH_PREFIX_LEN]) if len(fill) > IN_BATCH_PREFIX_LEN else tuple(fill)
         if head in admitted_heads:
             return True
         admitted_heads.add(head)

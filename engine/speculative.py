@@ -118,7 +118,8 @@ def verify(logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]]) -> Ve
             if params.has_penalties:
                 rows = rows.clone()
                 for j in range(n_rows):
-                    apply_penalties(rows[j], params, req.origin_input_ids, req.output_ids + draft[:j])
+                    apply_penalties(rows[j], params, req.origin_input_ids, req.output_ids + draft[:j],
+                                    req.banned_early)
             ok = bool(torch.isfinite(rows.amax(dim=-1)).all())
             target = rows.argmax(dim=-1).tolist() if ok and params.is_greedy else None
         if ok and target is None:  # sampling
