@@ -30,3 +30,19 @@ def test_overlap_on_cuda(model_dirs):
     eng = Engine(model_path=model_dirs["stories"], device="cuda", enable_overlap=True, attention_backend="triton")
     assert [o.token_ids for o in eng.generate(prompt=prompts, sampling_params=params)] == [r.token_ids for r in ref]
     eng.check_memory()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_speculative_verify_on_cuda(model_dirs, backend):
+    """TARGET_VERIFY batches on the device (extend attention over drafts, all-position logits)
+    give the plain decoder's greedy tokens, next to CUDA-graph decode steps."""
+    from tests.engine.test_speculative import prompts
+
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    ids = prompts(6, seed=2)
+    kw = dict(model_path=model_dirs["llama"], device="cuda", dtype="float32", attention_backend=backend)
+    ref = Engine(**kw).generate(input_ids=ids, sampling_params=params)
+    eng = Engine(**kw, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    assert [o.token_ids for o in eng.generate(input_ids=ids, sampling_params=params)] == [r.token_ids for r in ref]
+    assert eng.stats().spec_accepted_tokens > 0
+    eng.check_memory()
