@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from engine import Engine, SamplingParams
 from engine.req import Req
@@ -153,6 +152,9 @@ def _target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def _fits(samples: list[int], probs: torch.Tensor) -> float:
+    # Imported here: the GPU check imports this module's prompts() on a machine without scipy.
+    from scipy.stats import chisquare
+
     support = [t for t in range(probs.numel()) if probs[t] > 0]
     assert set(samples) <= set(support), "a token the target never samples"
     if len(support) == 1:
