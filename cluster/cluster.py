@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ log = logging.getLogger("radixray.cluster")
 ACTOR_NAMESPACE = "radixray"
 _ENGINE_DIED = object()  # queued to a request whose engine's output stream broke
 _TIMED_OUT = object()  # queued to a request when its deadline passes
+ABORT_CONFIRM_TIMEOUT_S = 10.0  # an abort not acknowledged by then is sent again
 
 
 def ensure_ray(address: str | None = None, log_to_driver: bool = False) -> bool:
@@ -241,7 +243,7 @@ class Cluster:
                 finally:
                     self._unsubscribe(rid)
                     if not finished:  # cancelled, timed out, or given up on: free its KV there
-                        self.actors[idx].abort.remote(rid)  # (a no-op on a dead actor)
+                        self._send_abort(idx, rid)
                     with self._lock:
                         self.router.done(idx, cost, input_ids)
                 queue = asyncio.Queue()
@@ -330,7 +332,30 @@ class Cluster:
         """Abort a request in flight (its engine frees its KV); unknown ids are ignored."""
         idx = self._where.get(rid)
         if idx is not None:
-            self.actors[idx].abort.remote(rid)
+            self._send_abort(idx, rid)
+
+    def _send_abort(self, idx: int, rid: str) -> None:
+        """Abort `rid` on engine idx from the cluster's own loop, until the engine confirms it.
+
+        Not from the caller's context: inside a Ray Serve request, an actor call is a child task
+        of that request (Ray keeps an async actor's current task in a context variable), and when
+        the client goes away Serve cancels the request *recursively*, which can cancel the abort
+        itself before the engine runs it. So: another thread, and an empty context."""
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._abort_confirmed(idx, rid)),
+                                        context=contextvars.Context())
+
+    async def _abort_confirmed(self, idx: int, rid: str, attempts: int = 5) -> None:
+        for _ in range(attempts):
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(self.actors[idx].abort.remote(rid).future()),
+                                       timeout=ABORT_CONFIRM_TIMEOUT_S)
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                return  # the engine is gone, and the request with it
+            except Exception as e:  # cancelled or lost on the way, or slow: send it again
+                log.warning("abort of %s on engine %d not confirmed (%s); sending it again", rid, idx,
+                            type(e).__name__)
+        log.error("abort of %s on engine %d was never confirmed", rid, idx)
 
     async def stream(self, prompt: str | None = None, sampling_params: Any = None,
                      input_ids: list[int] | None = None, messages: list[dict] | None = None,
