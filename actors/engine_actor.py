@@ -122,10 +122,11 @@ class EngineActor:
 
     def info(self) -> EngineInfo:
         mr = self.engine.model_runner
+        params = mr.model.num_parameters()
         return EngineInfo(engine_id=self.engine_id, vocab_size=self.engine.model_config.vocab_size,
                           max_context_len=mr.max_context_len, max_total_tokens=mr.max_total_tokens,
                           device=str(mr.device), node_id=ray.get_runtime_context().get_node_id(),
-                          pid=os.getpid())
+                          pid=os.getpid(), num_parameters=params, weight_bytes=params * mr.dtype.itemsize)
 
     async def generate(self, payload: bytes):
         """Streams msgpack-encoded StreamDeltas; the first token is sent as soon as it exists."""
@@ -238,7 +239,8 @@ class EngineActor:
         dp = None
         if self.dp_loop is not None:
             dp = DPMemberStats(rank=self.dp_loop.comm.rank, waves=self.dp_loop.waves, steps=self.dp_loop.steps,
-                               collective_seconds=self.dp_loop.comm.collective_seconds)
+                               collective_seconds=self.dp_loop.comm.collective_seconds,
+                               collective_bytes=self.dp_loop.comm.collective_bytes)
         return EngineActorStats(engine_id=self.engine_id, healthy=self.engine.dead is None,
                                 engine=self.engine.stats(), dp=dp)
 

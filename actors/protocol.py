@@ -22,6 +22,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     device: str
     node_id: str
     pid: int
+    num_parameters: int = 0  # the weights this engine holds (an attention-DP member: its share)
+    weight_bytes: int = 0
 
 
 class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):

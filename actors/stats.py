@@ -14,6 +14,7 @@ class DPMemberStats(msgspec.Struct, kw_only=True):
     waves: int  # waves this member has run
     steps: int  # group steps (forwards in lock-step) it took part in
     collective_seconds: float  # time spent in the group's collectives
+    collective_bytes: int = 0  # bytes it sent in them (engine.dp.DPComm.collective_bytes)
 
 
 class EngineActorStats(msgspec.Struct, kw_only=True):

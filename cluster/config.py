@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import msgspec
 
 from cluster.routing import POLICIES, ROUTING_POLICIES, RoutingName
 from engine import EngineConfig
-from engine.config import build_config
+from engine.builtin_model import BUILTIN_MODELS
+from engine.config import MOE_SPLITS, ModelConfig, MoeSplit, build_config
 from engine.errors import ConfigError
 
 # EngineConfig fields the cluster sets for every engine itself (not per-engine overrides).
-ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads")
+ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads", "moe_split")
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -31,6 +33,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     engine: dict[str, Any] = {}  # EngineConfig overrides, with EngineConfig's field names
     dp_attention: bool = False
     dp_group_size: int | None = None
+    # Attention-DP with an MoE model: "experts" gives each member E/G whole experts (expert
+    # parallelism; num_experts must divide by G), "intermediate" a slice of every expert.
+    moe_split: MoeSplit = "experts"
     address: str | None = None  # Ray address; None: RAY_ADDRESS or a new local cluster
 
     def __post_init__(self) -> None:
@@ -54,6 +59,25 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         self.engine_config()  # validates the overrides' names and values now
         if self.dp_group_size is not None and (self.dp_group_size < 1 or self.num_engines % self.dp_group_size):
             raise ConfigError("dp_group_size must divide num_engines")
+        if self.moe_split not in MOE_SPLITS:
+            raise ConfigError(f"moe_split must be one of {MOE_SPLITS}, got {self.moe_split!r}")
+        if self.dp_attention and self.moe_split == "experts":
+            self._check_expert_split()
+
+    def _check_expert_split(self) -> None:
+        """Expert parallelism needs num_experts divisible by the group size: said here, before any
+        engine starts, when the checkpoint's config is readable from this process (each engine
+        checks again when it loads its experts)."""
+        size = self.dp_group_size or self.num_engines
+        path = self.model_path
+        if size == 1 or path is None:  # None: the built-in dense model
+            return
+        if path not in BUILTIN_MODELS and not os.path.isfile(os.path.join(path, "config.json")):
+            return
+        experts = ModelConfig.from_dir(path).num_experts
+        if experts and experts % size:
+            raise ConfigError(f"moe_split='experts' needs num_experts ({experts}) divisible by the DP group "
+                              f"size ({size}); use moe_split='intermediate' or another dp_group_size")
 
     @classmethod
     def from_kwargs(cls, strict: bool = True, **kwargs: Any) -> ClusterConfig:
@@ -62,4 +86,5 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def engine_config(self, device: str | None = None) -> EngineConfig:
         threads = self.torch_threads_per_engine or max(1, int(-(-self.cpus_per_engine // 1)))
         return EngineConfig.from_kwargs(**{**self.engine, "model_path": self.model_path,
-                                           "device": device or self.device, "torch_threads": threads})
+                                           "device": device or self.device, "torch_threads": threads,
+                                           "moe_split": self.moe_split})

@@ -16,11 +16,15 @@ SpeculativeAlgorithm = Literal["ngram"]
 AttentionBackendName = Literal["torch", "triton", "flash_attn"]
 LinearBackend = Literal["auto", "onednn", "torch"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+MoeSplit = Literal["experts", "intermediate"]
+MoeDispatch = Literal["gather", "all_to_all"]
 SCHEDULE_POLICIES = get_args(SchedulePolicy)
 ATTENTION_BACKENDS = get_args(AttentionBackendName)
 LINEAR_BACKENDS = get_args(LinearBackend)
 DTYPES = get_args(DType)
 SPECULATIVE_ALGORITHMS = get_args(SpeculativeAlgorithm)
+MOE_SPLITS = get_args(MoeSplit)
+MOE_DISPATCHES = get_args(MoeDispatch)
 
 
 def build_config(cls: type, what: str, kwargs: dict[str, Any], strict: bool = True) -> Any:
@@ -74,6 +78,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     new_token_ratio_decay: float = 0.001
     seed: int = 0
     torch_threads: int | None = None
+    # Attention-DP with an MoE model: each member holds E/G whole experts (expert parallelism) or
+    # a 1/G slice of every expert's intermediate dim. The cluster sets it (ClusterConfig.moe_split).
+    moe_split: MoeSplit = "experts"
+    # How expert parallelism moves tokens: "gather" every member's rows to every member and
+    # reduce the partial outputs back, or "all_to_all": each (token, expert) row to the member
+    # holding the expert and its output back (fewer bytes as the group grows; one more collective).
+    moe_dispatch: MoeDispatch = "gather"
     # Speculative decoding: "ngram" drafts from the request's own tokens (prompt lookup).
     speculative_algorithm: SpeculativeAlgorithm | None = None
     speculative_num_draft_tokens: int = 4  # k: drafts verified per request per step
@@ -92,6 +103,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(self.linear_backend in LINEAR_BACKENDS,
              f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.moe_split in MOE_SPLITS, f"moe_split must be one of {MOE_SPLITS}, got {self.moe_split!r}")
+        need(self.moe_dispatch in MOE_DISPATCHES,
+             f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",

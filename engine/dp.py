@@ -35,16 +35,24 @@ class DPComm:
         self.rank, self.world, self.device = rank, world, device
         self.counts: list[int] = [0] * world  # every member's token count in the current step
         self.collective_seconds = 0.0
+        # Bytes this member put on the wire for the collectives, as the usual algorithms move them:
+        # an all-gather sends its buffer to each peer, a ring all-reduce 2(G-1)/G of its buffer,
+        # an all-to-all the rows meant for others.
+        self.collective_bytes = 0
+        # Expert parallelism: send each token to its experts' members (all-to-all) instead of
+        # gathering every member's rows and reducing the partial outputs (EngineConfig.moe_dispatch).
+        self.moe_all_to_all = False
 
-    def _wait(self, work) -> None:
+    def _wait(self, work, sent_bytes: int) -> None:
         t0 = time.perf_counter()
         work.wait()
         self.collective_seconds += time.perf_counter() - t0
+        self.collective_bytes += sent_bytes
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
         outs = [torch.empty_like(t) for _ in range(self.world)]
-        self._wait(self.pg.allgather([outs], [t]))
+        self._wait(self.pg.allgather([outs], [t]), _nbytes(t) * (self.world - 1))
         return [o.tolist() for o in outs]
 
     # ---- the model's mlp_comm hooks ------------------------------------------------------
@@ -54,16 +62,28 @@ class DPComm:
         padded = x.new_zeros((longest, x.shape[1]))
         padded[:x.shape[0]] = x
         outs = [torch.empty_like(padded) for _ in range(self.world)]
-        self._wait(self.pg.allgather([outs], [padded]))
+        self._wait(self.pg.allgather([outs], [padded]), _nbytes(padded) * (self.world - 1))
         return torch.cat([o[:n] for o, n in zip(outs, self.counts)])
 
     def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
         """Partial MLP outputs over all tokens -> the summed rows of this member's tokens.
         (An all-reduce then a slice: gloo has no reduce-scatter.)"""
         y = y.contiguous()
-        self._wait(self.pg.allreduce([y]))
+        self._wait(self.pg.allreduce([y]), 2 * (self.world - 1) * _nbytes(y) // self.world)
         start = sum(self.counts[:self.rank])
         return y[start:start + self.counts[self.rank]]
+
+    def exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """All-to-all: rows of x grouped by destination (send[d] rows for member d, in rank order)
+        -> the rows the members sent here, grouped by source (recv[s] from member s)."""
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        row = x[:1].numel() * x.element_size()
+        self._wait(self.pg.alltoall_base(out, x.contiguous(), recv, send), (sum(send) - send[self.rank]) * row)
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class DPLockStep(StepStrategy):
@@ -100,6 +120,7 @@ class DPLoop:
         self.request_wave = request_wave
         self.on_fatal = on_fatal
         engine.model_runner.model.mlp_comm = comm
+        comm.moe_all_to_all = engine.config.moe_dispatch == "all_to_all"
         engine.scheduler.isolate_batch_failures = False
         engine.strategy = DPLockStep(comm, engine.has_pending)
         self._cv = threading.Condition()

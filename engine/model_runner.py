@@ -58,9 +58,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.max_context_len = min(config.max_context_len or cfg.max_position_embeddings,
                                    cfg.max_position_embeddings)
-        # mlp_shard (rank, world): attention-DP splits every MLP's intermediate dim over the group.
+        # mlp_shard (rank, world): attention-DP splits every MLP over the group (an MoE model's
+        # experts or intermediate dims, as config.moe_split says).
         self.model = build_model(cfg, model_dir, self.dtype, self.device, self.max_context_len, mlp_shard,
-                                 onednn=use_onednn(config.linear_backend, self.device, self.dtype))
+                                 onednn=use_onednn(config.linear_backend, self.device, self.dtype),
+                                 moe_split=config.moe_split)
         per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                             cfg.head_dim, self.dtype)
         self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)
@@ -83,6 +85,12 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
             if self.model.expert_tokens is not None:  # capture's warm-up forwards are no traffic
                 self.model.expert_tokens.zero_()
+
+    def expert_token_counts(self) -> list[int]:
+        """(token, expert) pairs this engine's experts computed, by expert; [] for a dense model.
+        A host copy (a device sync on CUDA): for stats, off the hot path."""
+        counts = self.model.expert_tokens
+        return [] if counts is None else counts.tolist()
 
     def _default_pool_size(self, per_token: int) -> int:
         if self.device.type == "cuda":

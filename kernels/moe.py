@@ -37,9 +37,12 @@ def expert_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                experts: Sequence[tuple[Linear, Linear]], counts: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_k weights[t, k] * expert[ids[t, k]](x[t]) -> [T, out]. `experts[e]` = (gate_up, down);
-    `counts` = expert_counts(ids) when the caller has it. Loops over active experts, not tokens."""
+                experts: Sequence[tuple[Linear, Linear]], counts: torch.Tensor | None = None,
+                first: int = 0) -> torch.Tensor:
+    """sum_k weights[t, k] * expert[ids[t, k]](x[t]) -> [T, out]. `experts[j]` = (gate_up, down)
+    of expert first + j: with `first` or fewer experts than ids name (expert parallelism: the
+    experts one member holds), pairs routed to other experts add nothing. `counts` =
+    expert_counts(ids) over every expert when the caller has it. Loops over active experts, not tokens."""
     T, K = ids.shape
     out_features = experts[0][1].out_features
     if T == 0:
@@ -47,17 +50,21 @@ def grouped_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in pair order within one
     if counts is None:
-        counts = expert_counts(ids, len(experts))
-    xs = x[order // K]  # each sorted pair's token row
-    ys = x.new_empty(T * K, out_features)
-    start = 0
-    for e, n in enumerate(counts.tolist()):
+        counts = expert_counts(ids, max(first + len(experts), int(flat.max()) + 1))
+    n_per = counts.tolist()
+    lo = sum(n_per[:first])  # the sorted pairs of the experts held: [lo, hi)
+    hi = lo + sum(n_per[first:first + len(experts)])
+    local = order[lo:hi]
+    xs = x[local // K]  # each held pair's token row
+    ys = x.new_zeros(T * K, out_features) if hi - lo < T * K else x.new_empty(T * K, out_features)
+    start = lo
+    for j, (gate_up, down) in enumerate(experts):
+        n = n_per[first + j]
         if n:
-            gate_up, down = experts[e]
-            gate, up = gate_up(xs[start:start + n]).chunk(2, dim=-1)
+            gate, up = gate_up(xs[start - lo:start - lo + n]).chunk(2, dim=-1)
             ys[start:start + n] = down(F.silu(gate, inplace=True).mul_(up))
             start += n
-    ys.mul_(weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype))
+    ys[lo:hi].mul_(weights.reshape(-1)[local].unsqueeze(1).to(ys.dtype))
     # Back to pair order, then summed over k in k order: transformers' grouped path does the same
     # (an index_add_ in expert order would add a token's k >= 3 terms in another order).
     out = torch.empty_like(ys)

@@ -51,14 +51,15 @@ def _moe_gemm_kernel(a, w, c, pair_weights, sorted_pairs, block_experts, num_pad
                  mask=valid[:, None] & nm[None, :])
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, counts: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, counts: torch.Tensor | None = None,
+                    held: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert ids [T, k] -> (sorted_pairs, block_experts, num_padded).
 
     sorted_pairs [P]: pair indices (t * k + j) grouped by expert, each expert's group padded with
     the value T * k to a multiple of block_m; P bounds the padded total from the shapes alone.
     block_experts [P / block_m]: the expert of each tile. num_padded [1]: the real padded total
-    (tiles at or past it are skipped). `counts` = expert_counts(ids) when the caller has it."""
+    (tiles at or past it are skipped). `counts` = expert_counts(ids) when the caller has it. With
+    `held`, experts >= held are pairs to leave out (they sort last, past num_padded)."""
     flat = ids.reshape(-1)
     n = flat.numel()
     dev = flat.device
@@ -75,7 +76,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, counts: t
     sorted_pairs[(ends - padded)[sorted_e] + rank] = order.to(torch.int32)
     tile_starts = torch.arange(blocks, device=dev) * block_m
     block_experts = torch.searchsorted(ends, tile_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_experts.to(torch.int32), ends[-1:].to(torch.int32)
+    held = num_experts if held is None else held
+    return sorted_pairs, block_experts.to(torch.int32), ends[held - 1:held].to(torch.int32)
 
 
 
@@ -95,23 +97,31 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, pair_weig
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              block_m: int = 64, counts: torch.Tensor | None = None) -> torch.Tensor:
+              block_m: int = 64, counts: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
     """sum_k weights[t, k] * expert[ids[t, k]](x[t]) -> [T, H]. x [T, H]; w13 [E, 2I, H] (gate
-    rows then up rows), w2 [E, H', I], both contiguous; weights [T, k] float32; ids [T, k];
-    `counts` = expert_counts(ids) when the caller has it."""
+    rows then up rows), w2 [E, H', I], both contiguous, of experts first .. first + E - 1 (expert
+    parallelism: the experts one member holds; pairs routed to others add nothing); weights
+    [T, k] float32; ids [T, k]; `counts` = expert_counts(ids) over every expert when the caller
+    has it."""
     T, top_k = ids.shape
-    num_experts, two_i, _ = w13.shape
+    held, two_i, _ = w13.shape
     if T == 0:
         return x.new_zeros(0, w2.shape[1])
     num_pairs = T * top_k
     block_m = max(16, min(block_m, triton.next_power_of_2(num_pairs)))  # tl.dot needs >= 16
-    aligned = align_by_expert(ids, num_experts, block_m, counts)
+    partial = first > 0 or counts is None or counts.numel() > held
+    if partial:  # another member's pairs go to a bucket past the held experts, whose tiles are skipped
+        local = ids - first
+        local = torch.where((local >= 0) & (local < held), local, held)
+        aligned = align_by_expert(local, held + 1, block_m, held=held)
+    else:
+        aligned = align_by_expert(ids, held, block_m, counts)
     x = x.contiguous()
     gate_up = x.new_empty(num_pairs, two_i)
     _grouped_gemm(x, w13, gate_up, None, aligned, num_pairs, top_k, block_m)
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) * up
-    out = x.new_empty(num_pairs, w2.shape[1])
+    out = (x.new_zeros if partial else x.new_empty)(num_pairs, w2.shape[1])
     _grouped_gemm(act, w2, out, weights.reshape(-1).float().contiguous(), aligned, num_pairs, 1, block_m)
     return out.view(T, top_k, -1).sum(dim=1)
 

@@ -9,6 +9,7 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
+from engine.models.layers import MoESplit
 
 # HF `architectures` name -> model class; filled by @register_model when a model file is imported.
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {}
@@ -30,34 +31,40 @@ def register_model(*arch_names: str) -> Callable[[type[CausalLM]], type[CausalLM
 class CausalLM:
     """What ModelRunner, attention-DP (engine/dp.py), CUDA graphs and the benches rely on.
 
-    - `cls(cfg, weights, dtype, device, max_positions, mlp_shard, onednn)`: `weights` maps HF
+    - `cls(cfg, weights, dtype, device, max_positions, mlp_shard, onednn, moe_split=...)`: `weights` maps HF
       checkpoint names to CPU tensors (`engine.models.load_weights`). The model copies what it
       needs to `device` in `dtype` and keeps no reference to the dict; a missing weight raises
       ConfigError naming it (`Weights`). The weight names live in the model's file, with it.
       `max_positions` bounds the positions forward() sees; `mlp_shard` = (rank, world) is this
-      attention-DP member's share of every MLP; `onednn` picks prepacked CPU linears.
+      attention-DP member's share of every MLP; `onednn` picks prepacked CPU linears; `moe_split`
+      how an MoE model's MLPs are shared: "experts" (E/world whole experts per member; dense MLPs
+      and shared experts whole) or "intermediate" (a slice of every MLP's intermediate dim).
     - `forward(fb, attn) -> logits [bs, vocab]` at `fb.last_token_indices`. Layer i's attention
       is `attn.forward(q, k, v, i, fb)` (q [T, heads, head_dim], k and v [T, kv_heads, head_dim])
       -> [T, heads, head_dim]. T may be 0 (an IDLE batch). On CUDA it must be graph-capturable
       (no host syncs), since decode batches replay it as a CUDA graph.
     - `scale`: the softmax scale the attention backend applies.
-    - `mlp_comm`: None, or set by attention-DP after construction. Every layer then passes its
-      MLP input through `mlp_comm.gather` (all members' rows) and the MLP's partial output
-      through `mlp_comm.reduce_scatter` (summed, back to this member's rows).
+    - `mlp_comm`: None, or set by attention-DP after construction. Every layer then runs its MLP
+      through `MLP.split_forward(x, mlp_comm)`: a split MLP passes its input through
+      `mlp_comm.gather` (all members' rows) and its partial output through
+      `mlp_comm.reduce_scatter` (summed, back to this member's rows); one held whole runs alone.
     - `num_parameters()`: parameters this member holds (its MLP shard only).
     - `expert_tokens`: None for a dense model; for an MoE model an int64 [num_experts] tensor on
       the device: the (token, expert) routings of every forward, summed over layers (a token
       counts once per expert it is sent to). Read it with `.tolist()` off the hot path (a sync).
-      It counts what the forwards ran: under attention-DP every member counts the whole group's
-      rows, and padded rows of a replayed CUDA graph count too.
+      It counts what this member's experts computed: under attention-DP with the intermediate
+      split every member counts the whole group's rows for every expert; with expert parallelism
+      only the pairs its own experts ran (the group's counts sum to the routing). Padded rows of a
+      replayed CUDA graph count too.
     """
 
     expert_tokens: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
-                 onednn: bool = False) -> None:
+                 onednn: bool = False, moe_split: MoESplit = "experts") -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.moe_split = moe_split
         self.scale = cfg.head_dim ** -0.5
         self.mlp_comm = None
 

@@ -8,7 +8,7 @@ greedy tokens match it exactly in float32."""
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -112,20 +112,41 @@ class Attention:
         return self.qkv_proj.numel() + self.o_proj.numel() + sum(t.numel() for t in norms)
 
 
+# How attention-DP splits an MoE MLP over the group: each member holds E/G whole experts, or a
+# 1/G slice of every expert's intermediate dim (the dense split).
+MoESplit = Literal["experts", "intermediate"]
+
+
+class GroupComm(Protocol):
+    """attention-DP's collectives as the MLPs use them (engine.dp.DPComm)."""
+
+    world: int
+    moe_all_to_all: bool  # expert parallelism dispatches by all-to-all (else gather + reduce)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor: ...
+
+    def exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor: ...
+
+
 class MLP(Protocol):
-    """A layer's MLP slot: [T, H] -> [T, H]. Under attention-DP it sees the whole group's rows and
-    returns this member's partial sum (its shard of the intermediate dim, or of the experts)."""
+    """A layer's MLP slot: [T, H] -> [T, H] over the rows it is given. Under attention-DP the layer
+    calls `split_forward` instead: this member's rows in, their outputs out, with whatever
+    collectives the MLP's split over the group needs (none for an MLP every member holds whole)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def split_forward(self, x: torch.Tensor, comm: GroupComm) -> torch.Tensor: ...
 
     def numel(self) -> int: ...
 
 
-def shard_range(size: int, shard: tuple[int, int]) -> tuple[int, int]:
+def shard_range(size: int, shard: tuple[int, int], what: str = "intermediate_size") -> tuple[int, int]:
     """[lo, hi) of member `rank` of `world` over a dim of `size`."""
     rank, world = shard
     if size % world:
-        raise ConfigError(f"intermediate_size {size} is not divisible by the DP group size {world}")
+        raise ConfigError(f"{what} {size} is not divisible by the DP group size {world}")
     return rank * size // world, (rank + 1) * size // world
 
 
@@ -136,6 +157,7 @@ class GatedMLP:
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                  shard: tuple[int, int] = (0, 1), onednn: bool = False) -> None:
         lo, hi = shard_range(gate.shape[0], shard)
+        self.sharded = shard[1] > 1
         self.gate_up = Linear(torch.cat([gate[lo:hi], up[lo:hi]]), onednn=onednn)
         self.down = Linear(down[:, lo:hi].contiguous(), onednn=onednn)
 
@@ -152,6 +174,13 @@ class GatedMLP:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate, inplace=True).mul_(up))
 
+    def split_forward(self, x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+        """A slice of the intermediate dim: every member's rows in, partial sums reduced back to
+        each member's own rows. Held whole (a dense layer under expert parallelism): local rows only."""
+        if not self.sharded:
+            return self(x)
+        return comm.reduce_scatter(self(comm.gather(x)))
+
     def numel(self) -> int:
         return self.gate_up.numel() + self.down.numel()
 
@@ -162,21 +191,42 @@ class MoEMLP:
     the routing-weighted sum of those experts, each a gated MLP with gate and up fused; plus, if
     given, a shared expert scaled by sigmoid(shared_gate(x)) (Qwen2-MoE).
 
-    gate and up are [E, I, H], down [E, H, I]. Under attention-DP it holds the `shard` slice of
-    every expert's intermediate dim (every member routes all rows), so its output is a partial
-    sum like GatedMLP's. With `fused` (default: on CUDA) the experts run in the Triton fused
-    kernel (kernels.triton_moe) over stacked weights; otherwise grouped by expert, one oneDNN or
-    torch GEMM pair per active expert (kernels.moe). `expert_tokens` [E], if given,
-    accumulates the tokens routed to each expert (on the device, no host sync)."""
+    gate and up are [E, I, H], down [E, H, I]: every expert, or with `split="experts"` only this
+    member's (`shard` (rank, world) -> experts [rank * E / world, (rank + 1) * E / world)), since
+    the rest are never read. Under attention-DP (`split_forward`) every member routes the whole
+    group's rows with the same router and computes only what it holds: with `split="experts"` its
+    experts' (token, expert) pairs (expert parallelism; the shared expert is whole and runs on the
+    member's own rows), with `split="intermediate"` a slice of every expert's intermediate dim (and
+    of the shared expert's, passed in sliced); the partial outputs are summed over the group.
+    With `fused` (default: on CUDA) the experts run in the Triton fused kernel
+    (kernels.triton_moe) over stacked weights; otherwise grouped by expert, one oneDNN or torch
+    GEMM pair per active expert (kernels.moe). `expert_tokens` [E], if given, accumulates the
+    (token, expert) pairs this member's experts computed (on the device, no host sync)."""
 
     def __init__(self, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                  top_k: int, renormalize: bool, shard: tuple[int, int] = (0, 1), onednn: bool = False,
                  expert_tokens: torch.Tensor | None = None, shared: GatedMLP | None = None,
-                 shared_gate: torch.Tensor | None = None, fused: bool | None = None) -> None:
-        self.num_experts, self.top_k, self.renormalize = gate.shape[0], top_k, renormalize
+                 shared_gate: torch.Tensor | None = None, fused: bool | None = None,
+                 split: MoESplit = "experts") -> None:
+        if split not in ("experts", "intermediate"):
+            raise ConfigError(f"moe_split must be 'experts' or 'intermediate', got {split!r}")
+        self.num_experts, self.top_k, self.renormalize = router.shape[0], top_k, renormalize
         if not 1 <= top_k <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok {top_k} is not in [1, num_experts={self.num_experts}]")
-        lo, hi = shard_range(gate.shape[1], shard)
+        self.sharded, self.split = shard[1] > 1, split
+        self.first, self.last = 0, self.num_experts  # the experts held: [first, last)
+        lo, hi = 0, gate.shape[1]  # the intermediate rows held
+        if split == "experts":
+            self.first, self.last = shard_range(self.num_experts, shard, "num_experts")
+            if gate.shape[0] == self.num_experts:  # given every expert: keep ours
+                gate, up, down = (t[self.first:self.last] for t in (gate, up, down))
+            elif gate.shape[0] != self.last - self.first:
+                raise ConfigError(f"{gate.shape[0]} experts given, expected {self.last - self.first} or "
+                                  f"{self.num_experts}")
+            if shared is not None and shared.sharded:
+                raise ConfigError("under moe_split='experts' the shared expert is held whole")
+        else:
+            lo, hi = shard_range(gate.shape[1], shard)
         self.router = Linear(router, onednn=onednn)
         w13 = torch.cat([gate[:, lo:hi], up[:, lo:hi]], dim=1)  # per expert: gate rows, then up rows
         w2 = down[:, :, lo:hi].contiguous()
@@ -187,27 +237,77 @@ class MoEMLP:
             self.fused_moe, self.w13, self.w2 = fused_moe, w13, w2
         else:
             self.experts = [(Linear(w13[e], onednn=onednn), Linear(w2[e], onednn=onednn))
-                            for e in range(self.num_experts)]
+                            for e in range(w13.shape[0])]
         self.expert_numel = w13.numel() + w2.numel()
         self.expert_tokens = expert_tokens
         self.shared = shared
         self.shared_gate = Linear(shared_gate, onednn=onednn) if shared_gate is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x)
+        if self.shared is not None:
+            out = out + self.shared_out(x)
+        return out
+
+    def split_forward(self, x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+        """This member's rows -> their outputs, the routed part computed across the group."""
+        if not self.sharded:
+            return self(x)
+        if self.split == "intermediate":
+            return comm.reduce_scatter(self(comm.gather(x)))
+        if comm.moe_all_to_all:
+            out = self.dispatched(x, comm)
+        else:
+            out = comm.reduce_scatter(self.routed(comm.gather(x)))
+        if self.shared is not None:  # whole on every member: its own rows, no collective
+            out = out + self.shared_out(x)
+        return out
+
+    def dispatched(self, x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+        """Expert parallelism by all-to-all: this member routes its own rows and sends each
+        (token, expert) pair's row to the member holding the expert (pairs sorted by expert are
+        grouped by member, and each member learns how many rows per expert it gets, so no ids
+        travel); the members run their experts and send the outputs back; the routing weights
+        and the sum over k are applied here, in `grouped_moe`'s order."""
+        weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
+        T, K = ids.shape
+        world, per = comm.world, self.last - self.first
+        counts = expert_counts(ids, self.num_experts)
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        send = counts.view(world, per).sum(1).tolist()
+        got = comm.exchange(counts, [per] * world, [per] * world).view(world, per)  # [source, held expert]
+        recv = got.sum(1).tolist()
+        rows = comm.exchange(x[order // K], send, recv)  # by source, then by expert
+        held = got.sum(0)
+        if self.expert_tokens is not None:
+            self.expert_tokens[self.first:self.last] += held
+        local_ids = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(world), got.reshape(-1))
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=x.device)  # weights apply at home
+        if self.fused:
+            ys = self.fused_moe(rows, self.w13, self.w2, ones, local_ids.unsqueeze(1), counts=held)
+        else:
+            ys = grouped_moe(rows, ones, local_ids.unsqueeze(1), self.experts, held)
+        ys = comm.exchange(ys, recv, send)  # this member's pairs, sorted by expert
+        ys.mul_(weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype))
+        out = torch.empty_like(ys)
+        out[order] = ys
+        return out.view(T, K, ys.shape[1]).sum(dim=1)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum over the experts held (zero rows for pairs elsewhere)."""
         weights, ids = select_experts(self.router(x), self.top_k, self.renormalize)
         counts = expert_counts(ids, self.num_experts)
         if self.expert_tokens is not None:
-            self.expert_tokens += counts
+            self.expert_tokens[self.first:self.last] += counts[self.first:self.last]
         if self.fused:
-            out = self.fused_moe(x, self.w13, self.w2, weights, ids, counts=counts)
-        else:
-            out = grouped_moe(x, weights, ids, self.experts, counts)
-        if self.shared is not None:
-            shared = self.shared(x)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
-            out = out + shared
-        return out
+            return self.fused_moe(x, self.w13, self.w2, weights, ids, counts=counts, first=self.first)
+        return grouped_moe(x, weights, ids, self.experts, counts, first=self.first)
+
+    def shared_out(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared(x)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(x)) * shared
+        return shared
 
     def numel(self) -> int:
         n = self.router.numel() + self.expert_numel
@@ -235,17 +335,13 @@ class DecoderLayer:
                                                cos[blk], sin[blk])
         return self.attn.split(qkv_buf)
 
-    def attn_out_and_mlp(self, residual: torch.Tensor, o: torch.Tensor, mlp_comm=None) -> None:
+    def attn_out_and_mlp(self, residual: torch.Tensor, o: torch.Tensor,
+                         mlp_comm: GroupComm | None = None) -> None:
         """o-projection, post-attention norm and MLP, added into `residual` (rows of it) in place;
-        `mlp_comm` (attention-DP) gathers the MLP's input rows and reduce-scatters its output."""
+        with `mlp_comm` (attention-DP) the MLP runs split over the group (`MLP.split_forward`)."""
         residual.add_(self.attn.o_proj(o))
         x = rms_norm(residual, self.post_norm, self.eps)
-        if mlp_comm is not None:
-            x = mlp_comm.gather(x)
-        out = self.mlp(x)
-        if mlp_comm is not None:
-            out = mlp_comm.reduce_scatter(out)
-        residual.add_(out)
+        residual.add_(self.mlp(x) if mlp_comm is None else self.mlp.split_forward(x, mlp_comm))
 
     def numel(self) -> int:
         return self.input_norm.numel() + self.post_norm.numel() + self.attn.numel() + self.mlp.numel()

@@ -11,7 +11,16 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.models.base import CausalLM, Weights, register_model
-from engine.models.layers import MLP, Attention, DecoderLayer, GatedMLP, RoPE, rms_norm, row_blocks
+from engine.models.layers import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    GatedMLP,
+    MoESplit,
+    RoPE,
+    rms_norm,
+    row_blocks,
+)
 from kernels.cpu_linear import Linear
 
 
@@ -22,8 +31,8 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
-                 onednn: bool = False) -> None:
-        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, onednn)
+                 onednn: bool = False, moe_split: MoESplit = "experts") -> None:
+        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, onednn, moe_split)
         w = Weights(weights, dtype, device)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.embed = w("model.embed_tokens.weight")

@@ -11,7 +11,7 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.models.base import Weights
-from engine.models.layers import MLP, GatedMLP, MoEMLP
+from engine.models.layers import MLP, GatedMLP, MoEMLP, MoESplit, shard_range
 from engine.models.llama import LlamaForCausalLM
 
 
@@ -25,12 +25,12 @@ class SparseMoeCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
-                 onednn: bool = False) -> None:
+                 onednn: bool = False, moe_split: MoESplit = "experts") -> None:
         if cfg.num_experts < 1:
             raise ConfigError(f"{cfg.architecture} needs num_experts >= 1 in config.json")
         # Before the layers are built (LlamaForCausalLM.__init__ calls make_mlp): they share it.
         self.expert_tokens = torch.zeros(cfg.num_experts, dtype=torch.int64, device=device)
-        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, onednn)
+        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, onednn, moe_split)
 
     def renormalize(self) -> bool:
         """Whether the top-k routing weights are divided by their sum."""
@@ -38,20 +38,26 @@ class SparseMoeCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, w: Weights, p: str, mlp_shard: tuple[int, int], onednn: bool) -> MLP:
         layer = int(p.rstrip(".").rsplit(".", 1)[1])  # p = "model.layers.{i}."
+        # Expert parallelism keeps the dense MLPs (dense layers, shared experts) whole on every
+        # member: they run data-parallel on its own rows, like attention, with no collectives.
+        dense_shard = (0, 1) if self.moe_split == "experts" else mlp_shard
         if not self.cfg.is_sparse_layer(layer):
-            return super().make_mlp(w, p, mlp_shard, onednn)
+            return super().make_mlp(w, p, dense_shard, onednn)
         m = p + self.moe_prefix
-        gate, up, down = self.load_experts(w, m + "experts.")
+        held = range(self.cfg.num_experts)
+        if self.moe_split == "experts":  # only this member's experts are read
+            held = range(*shard_range(self.cfg.num_experts, mlp_shard, "num_experts"))
+        gate, up, down = self.load_experts(w, m + "experts.", held)
         shared = shared_gate = None
         if self.cfg.shared_expert_intermediate_size:
             s = m + "shared_expert."
             shared = GatedMLP(w(s + "gate_proj.weight"), w(s + "up_proj.weight"), w(s + "down_proj.weight"),
-                              mlp_shard, onednn)
+                              dense_shard, onednn)
             shared_gate = w(m + "shared_expert_gate.weight")
         return MoEMLP(w(m + "gate.weight"), gate, up, down, self.cfg.num_experts_per_tok, self.renormalize(),
-                      mlp_shard, onednn, self.expert_tokens, shared, shared_gate)
+                      mlp_shard, onednn, self.expert_tokens, shared, shared_gate, split=self.moe_split)
 
-    def load_experts(self, w: Weights, x: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gate [E, I, H], up [E, I, H], down [E, H, I] from the checkpoint's expert tensors under `x`."""
-        return tuple(torch.stack([w(f"{x}{e}.{name}.weight") for e in range(self.cfg.num_experts)])
-                     for name in self.expert_names)
+    def load_experts(self, w: Weights, x: str, experts: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate [E', I, H], up [E', I, H], down [E', H, I] of `experts` from the checkpoint's
+        expert tensors under `x`."""
+        return tuple(torch.stack([w(f"{x}{e}.{name}.weight") for e in experts]) for name in self.expert_names)

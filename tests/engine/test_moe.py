@@ -154,32 +154,62 @@ def test_select_experts_is_transformers_routing():
 
 
 def test_attention_dp_intermediate_split_sums_to_whole():
-    """Under attention-DP each member holds a slice of every expert's intermediate dim (and of the
-    shared expert); the members' partial outputs add up to the whole MoE MLP."""
+    """Under attention-DP with moe_split="intermediate" each member holds a slice of every
+    expert's intermediate dim (and of the shared expert); the members' partial outputs add up to
+    the whole MoE MLP."""
     g = torch.Generator().manual_seed(0)
     E, H, inter = 4, 32, 16
     router, down = torch.randn(E, H, generator=g), torch.randn(E, H, inter, generator=g)
     gate, up = torch.randn(E, inter, H, generator=g), torch.randn(E, inter, H, generator=g)
     x = torch.randn(11, H, generator=g)
     whole = MoEMLP(router, gate, up, down, 2, True)
-    parts = [MoEMLP(router, gate, up, down, 2, True, shard=(r, 2)) for r in range(2)]
+    parts = [MoEMLP(router, gate, up, down, 2, True, shard=(r, 2), split="intermediate") for r in range(2)]
     torch.testing.assert_close(parts[0](x) + parts[1](x), whole(x), atol=1e-4, rtol=1e-4)
     assert parts[0].numel() + parts[1].numel() == whole.numel() + router.numel()
     with pytest.raises(ConfigError, match="num_experts_per_tok 5"):
         MoEMLP(router, gate, up, down, 5, True)
 
 
+@pytest.mark.parametrize("E, k, world", [(4, 2, 2), (8, 1, 4), (6, 3, 3)])
+def test_expert_parallel_split_sums_to_whole(E, k, world):
+    """Expert parallelism: each member holds E/world whole experts, computes only their pairs and
+    counts only them; the partial outputs add up to the whole MoE MLP (exactly for top-2, where a
+    token's two terms are added once either way) and the counts to the whole routing."""
+    g = torch.Generator().manual_seed(E + k)
+    H, inter = 32, 16
+    router, down = torch.randn(E, H, generator=g), torch.randn(E, H, inter, generator=g)
+    gate, up = torch.randn(E, inter, H, generator=g), torch.randn(E, inter, H, generator=g)
+    x = torch.randn(13, H, generator=g)
+    counts = [torch.zeros(E, dtype=torch.int64) for _ in range(world + 1)]
+    whole = MoEMLP(router, gate, up, down, k, True, expert_tokens=counts[-1])
+    parts = [MoEMLP(router, gate, up, down, k, True, shard=(r, world), expert_tokens=counts[r])
+             for r in range(world)]
+    got = sum(p(x) for p in parts)
+    if k <= 2:
+        assert torch.equal(got, whole(x))
+    else:
+        torch.testing.assert_close(got, whole(x), atol=1e-5, rtol=1e-5)
+    assert torch.equal(sum(counts[:world]), counts[-1])
+    for r, c in enumerate(counts[:world]):  # a member counts its own experts only
+        held = slice(r * E // world, (r + 1) * E // world)
+        assert c.sum() == c[held].sum()
+    assert all(p.expert_numel * world == whole.expert_numel for p in parts)
+    assert parts[0](x[:0]).shape == (0, H)  # an IDLE member's rows
+    with pytest.raises(ConfigError, match="num_experts 4 is not divisible by the DP group size 3"):
+        MoEMLP(router[:4], gate[:4], up[:4], down[:4], 1, True, shard=(0, 3))
+
+
 def test_fused_triton_path_matches_grouped_cpu_path():
-    """The CPU twin of the CUDA path: the same MoE MLP (sharded too) through the Triton kernel
-    (interpreted here) and through the grouped CPU GEMMs."""
+    """The CPU twin of the CUDA path: the same MoE MLP (both splits too: a member's experts, or
+    slices of all) through the Triton kernel (interpreted here) and through the grouped CPU GEMMs."""
     pytest.importorskip("triton")
     g = torch.Generator().manual_seed(1)
     E, H, inter = 6, 64, 32
     router, down = torch.randn(E, H, generator=g), torch.randn(E, H, inter, generator=g) * 0.15
     gate, up = torch.randn(E, inter, H, generator=g) * 0.15, torch.randn(E, inter, H, generator=g) * 0.15
     x = torch.randn(13, H, generator=g)
-    for shard in ((0, 1), (1, 2)):
-        fused, grouped = (MoEMLP(router, gate, up, down, 2, False, shard, fused=f) for f in (True, False))
+    for shard, split in (((0, 1), "experts"), ((1, 2), "intermediate"), ((0, 2), "experts"), ((1, 3), "experts")):
+        fused, grouped = (MoEMLP(router, gate, up, down, 2, False, shard, fused=f, split=split) for f in (True, False))
         assert fused.fused and not grouped.fused and fused.numel() == grouped.numel()
         torch.testing.assert_close(fused(x), grouped(x), atol=1e-5, rtol=1e-4)
 
