@@ -12,6 +12,16 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             throughput and time to first visible text (median, p99).
   dp        attention-DP: step time of a 2-engine lock-step group vs one engine at the same
             per-engine batch (16), time in collectives, IDLE batches with one-sided load.
+  moe       an MoE model (~75M random Qwen3-MoE: 8 experts, top-2, 2/3 of the weights in experts):
+            one engine holding every expert vs an attention-DP group of 2 with expert parallelism
+            (tokens moved by gather + all-reduce, or by all-to-all; and the intermediate split) vs
+            two independent engines; the same 32 requests: output tokens/s, weight bytes per
+            engine, time in collectives and bytes each member sent per group step, rows (tokens)
+            per group step.
+  batch     the offline batch job on a 2,000-row multi-tenant shared-prefix JSONL (16 tenants' 256-byte
+            prefixes, 32 output tokens), 2 engines: the Ray Data job vs the driver-loop job it replaced
+            (`cluster.batch.run_driver_loop`) vs `Cluster.generate` on the same prompts: rows/s,
+            output tokens/s, prefix hit rate; each wall time includes starting the engines.
 `--quick` shrinks the workloads (a smoke run, not a measurement to quote)."""
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -29,6 +40,18 @@ from cluster import Cluster, ClusterConfig
 from cluster.stats import ClusterStats
 from engine import SamplingParams
 from engine.bench import BENCH_ARCH, bench_model_path, random_prompts
+from engine.builtin_model import (
+    byte_level_tokenizer,
+    moe_config,
+    random_llama_weights,
+    write_checkpoint,
+)
+from kernels.cache import cache_dir
+
+# About 75M parameters: 50M in the experts (8 layers x 8 experts x 3 x 512 x 512), 25M dense
+# (a tied 32000-token embedding, attention).
+BENCH_MOE_ARCH = dict(BENCH_ARCH, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512,
+                      norm_topk_prob=True)
 
 
 def mixed_workload(scale: float) -> tuple[list[list[int]], list[int]]:
@@ -244,13 +267,109 @@ def case_dp(path: str, scale: float) -> None:
           f"one-sided: member0={modes[0]} member1={modes[1]}", flush=True)
 
 
-CASES = {"scale": case_scale, "routing": case_routing, "churn": case_churn, "http": case_http, "dp": case_dp}
+def bench_moe_model_path() -> str:
+    """The moe case's random Qwen3-MoE (built once, cached)."""
+    path = os.path.join(cache_dir(), "bench-qwen3moe-75m-v1")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        cfg = moe_config(**BENCH_MOE_ARCH)
+        write_checkpoint(path + ".tmp", cfg, random_llama_weights(cfg, seed=0, std=0.02), byte_level_tokenizer())
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def case_moe(path: str, scale: float) -> None:
+    """MoE: one engine with every expert vs an attention-DP group of 2 with expert parallelism
+    (gather + all-reduce, all-to-all) and with the intermediate split vs two independent engines,
+    on the same requests. same_tokens: greedy outputs equal to the lone engine's."""
+    moe_path = bench_moe_model_path()
+    rng = random.Random(6)
+    n, out = max(8, int(32 * scale)), max(16, int(128 * scale))
+    prompts = random_prompts(n, 32, 64, BENCH_ARCH["vocab_size"], rng)
+    params = SamplingParams(max_new_tokens=out, temperature=0.0, ignore_eos=True)
+    base = dict(model_path=moe_path, routing="round_robin", device="cpu", cpus_per_engine=1,
+                torch_threads_per_engine=1, engine={"max_total_tokens": 16384})
+    dp = dict(num_engines=2, dp_attention=True)
+    setups = {"one_engine": dict(num_engines=1), "ep_group": dp,
+              "ep_all_to_all": dict(dp, engine={**base["engine"], "moe_dispatch": "all_to_all"}),
+              "intermediate_group": dict(dp, moe_split="intermediate"), "two_engines": dict(num_engines=2)}
+    parts, tokens = [], None
+    for name, setup in setups.items():
+        with Cluster(ClusterConfig(**{**base, **setup})) as cl:
+            t0 = time.perf_counter()
+            results = cl.generate(input_ids=prompts, sampling_params=params)
+            dt = time.perf_counter() - t0
+            assert all(len(r.token_ids) == out for r in results), "cluster skipped work"
+            got = [r.token_ids for r in results]
+            tokens = tokens or got
+            stats = cl.stats().engines
+            weights = max(i.weight_bytes for i in cl.infos)
+            cl.check_memory()
+        line = (f"{name}: {n * out / dt:,.0f} out tok/s weights={weights / 2**20:.0f} MiB/engine "
+                f"same_tokens={sum(a == b for a, b in zip(got, tokens))}/{n}")
+        if setup.get("dp_attention"):
+            steps = stats[0].dp.steps
+            coll = sum(e.dp.collective_seconds for e in stats) / len(stats) / steps
+            sent = sum(e.dp.collective_bytes for e in stats) / len(stats) / steps
+            rows = sum(e.engine.prompt_tokens - e.engine.cached_tokens + e.engine.generated_tokens
+                       - e.engine.num_received for e in stats) / steps
+            line += (f" step={1e3 * dt / steps:.1f} ms collectives={1e3 * coll:.1f} ms/step "
+                     f"sent={sent / 2**10:.0f} KiB/step/member rows={rows:.0f}/step")
+        parts.append(line)
+    print("moe        " + "  |  ".join(parts), flush=True)
+
+
+def batch_workload(scale: float) -> list[dict]:
+    rng = random.Random(7)
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    tenants, n = 16, max(64, int(2000 * scale))
+    prefixes = ["".join(rng.choices(letters, k=256)) for _ in range(tenants)]
+    return [{"id": f"r{i}", "prompt": prefixes[rng.randrange(tenants)] + "".join(rng.choices(letters, k=16)),
+             "max_tokens": 32, "temperature": 0, "ignore_eos": True} for i in range(n)]
+
+
+def case_batch(path: str, scale: float) -> None:
+    """The Ray Data batch job vs the driver-loop job vs Cluster.generate, on the same rows."""
+    import tempfile
+
+    from cluster.batch import BatchOptions, run, run_driver_loop
+
+    rows = batch_workload(scale)
+    cfg = engine_cfg(path, 2, "cache_aware", max_total_tokens=65536)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="radixray-bench-batch-") as tmp:
+        inp = os.path.join(tmp, "prompts.jsonl")
+        with open(inp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        for name in ("ray_data", "driver_loop"):
+            if name == "ray_data":
+                s = run(BatchOptions(input=inp, output=os.path.join(tmp, name), progress=False), cfg)
+            else:
+                s = run_driver_loop(cfg, inp, os.path.join(tmp, name + ".jsonl"))
+            assert (s.rows, s.errors, s.completion_tokens) == (len(rows), 0, 32 * len(rows)), f"{name} skipped work"
+            results[name] = (s.rows / s.wall_s, s.completion_tokens / s.wall_s, s.prefix_hit_rate)
+    t0 = time.perf_counter()
+    with Cluster(cfg) as cl:
+        outs = cl.generate(prompt=[r["prompt"] for r in rows],
+                           sampling_params=SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True))
+        engines = [e.engine for e in cl.stats().engines]
+    dt = time.perf_counter() - t0
+    hit = sum(e.cached_tokens for e in engines) / max(sum(e.prompt_tokens for e in engines), 1)
+    results["generate"] = (len(rows) / dt, sum(len(o.token_ids) for o in outs) / dt, hit)
+    line = "  ".join(f"{k}: {r[0]:,.1f} rows/s {r[1]:,.0f} tok/s hit={r[2]:.1%}" for k, r in results.items())
+    ratio = results["ray_data"][0] / results["driver_loop"][0]
+    gap = 100 * (results["ray_data"][2] - results["generate"][2])
+    print(f"batch      {len(rows)} rows  {line}  |  ray_data / driver_loop = {ratio:.2f}x (floor 1.0x)  "
+          f"hit ray_data - generate = {gap:+.1f} points (floor -5)", flush=True)
+
+
+CASES = {"scale": case_scale, "routing": case_routing, "churn": case_churn, "http": case_http, "dp": case_dp,
+         "moe": case_moe, "batch": case_batch}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="scale,routing,churn,http,dp", help=f"comma list of {list(CASES)}")
+    ap.add_argument("--cases", default="scale,routing,churn,http,dp,moe,batch", help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     path = bench_model_path()

@@ -3,9 +3,42 @@ the batch job's input lines both extend this struct)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from engine import InvalidRequestError, SamplingParams
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
+
+
+class JSONSchemaFormat(msgspec.Struct, kw_only=True):
+    """response_format.json_schema: OpenAI's structured-output schema (`strict` or not, the output
+    always matches it)."""
+
+    name: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JSONSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must match (a string), or None for plain text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.type != "json_schema":
+            raise InvalidRequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                                      f"got {self.type!r}", "response_format")
+        if self.json_schema is None or self.json_schema.schema is None:
+            raise InvalidRequestError("response_format of type 'json_schema' needs json_schema.schema",
+                                      "response_format")
+        return msgspec.json.encode(self.json_schema.schema).decode()
 
 
 class OpenAISampling(msgspec.Struct, kw_only=True):
@@ -24,6 +57,10 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     min_tokens: int = 0
+    # Structured outputs: OpenAI's response_format, or SGLang's regex / ebnf (at most one).
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def sampling_params(self, default_max_tokens: int, max_tokens: int | None = None, logprobs: bool = False,
                         top_logprobs: int = 0) -> SamplingParams:
@@ -41,4 +78,6 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, logprobs=logprobs,
             top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
-            min_tokens=self.min_tokens)
+            min_tokens=self.min_tokens,
+            json_schema=self.response_format.schema_text() if self.response_format is not None else None,
+            regex=self.regex, ebnf=self.ebnf)

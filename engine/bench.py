@@ -15,6 +15,8 @@ Cases (same machine, same weights, float32, greedy, ignore_eos):
               tokens: (a) the bench model, whose random-weight greedy output falls into loops the
               drafter predicts (drafts often right); (b) stories260K's real text (needs
               RADIXRAY_TEST_DATA or --stories DIR). Decode tokens/s, acceptance, mean accepted length.
+  structured  JSON-schema-constrained vs unconstrained greedy decoding at batch 32 (the same tokens
+              per request); per installed grammar backend: schema compile and per-step mask time.
 `--quick` shrinks every workload (a smoke run, not a measurement to quote).
 """
 
@@ -262,8 +264,97 @@ def case_spec(path: str, scale: float, stories: str | None = None) -> None:
                   f"mean accepted length={spec[1]:.2f} (floor 2x at bs=1 where the length is >= 3)", flush=True)
 
 
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0},
+        "name": {"type": "string", "maxLength": 32},
+        "status": {"enum": ["active", "inactive", "pending"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "address": {"type": "object", "properties": {
+            "street": {"type": "string", "maxLength": 24}, "city": {"type": "string", "maxLength": 16},
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            "geo": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                    "required": ["lat", "lon"], "additionalProperties": False}},
+            "required": ["street", "city", "zip"], "additionalProperties": False},
+        "orders": {"type": "array", "maxItems": 3, "items": {"type": "object", "properties": {
+            "sku": {"type": "string", "maxLength": 10}, "qty": {"type": "integer", "minimum": 1},
+            "kind": {"enum": ["digital", "physical"]}}, "required": ["sku", "qty", "kind"],
+            "additionalProperties": False}},
+        "verified": {"type": "boolean"},
+        "note": {"anyOf": [{"type": "string", "maxLength": 20}, {"type": "null"}]},
+    },
+    "required": ["id", "name", "status", "tags", "address", "orders", "verified", "note"],
+    "additionalProperties": False,
+}
+
+
+def case_structured(path: str, scale: float) -> None:
+    """Batch 32, greedy: JSON-schema-constrained decoding, then the same prompts unconstrained
+    for the same number of tokens each (ignore_eos), on one engine; then, per grammar backend
+    that is installed, the cold compile of the schema and the mask of one decode step at batch 32
+    (fill the 32 rows + apply to [32, vocab] logits, replaying the constrained outputs)."""
+    import json
+
+    from engine.grammar import create_grammar_backend
+
+    bs, max_new = 32, max(32, int(256 * scale))
+    rng = random.Random(7)
+    prompts = random_prompts(bs, 32, 32, BENCH_ARCH["vocab_size"], rng)
+    schema = json.dumps(STRUCTURED_SCHEMA)
+    eng = Engine(model_path=path, max_total_tokens=16384, max_running_requests=bs)
+    constrained = SamplingParams(max_new_tokens=max_new, temperature=0.0, json_schema=schema)
+    eng.generate(input_ids=prompts[:2], sampling_params=[constrained, GREEDY_WARMUP])  # warm-up, compile
+    # Alternating rounds, best of each side: a busy machine's stalls hit one run, not the ratio.
+    t_con = t_free = float("inf")
+    for _ in range(1 if scale < 1 else 5):
+        t0 = time.perf_counter()
+        outs = eng.generate(input_ids=prompts, sampling_params=constrained)
+        t_con = min(t_con, time.perf_counter() - t0)
+        lengths = [len(o.token_ids) for o in outs]
+        t_free = min(t_free, run_engine(eng, prompts, lengths))
+    stopped = sum(o.finish_reason == "stop" for o in outs)
+    n = sum(lengths)
+    line("structured", "json_schema", n / t_con, "unconstrained", n / t_free, "out tok/s",
+         f"(batch {bs}, {n} tokens, {stopped}/{bs} ended by the grammar, best of alternating runs; floor 0.85x)")
+    vocab = eng.model_config.vocab_size
+    tokenizer_json = eng.tokenizer.tok.to_str()
+    for name in ("llguidance", "xgrammar"):
+        try:
+            t0 = time.perf_counter()
+            backend = create_grammar_backend(name, tokenizer_json, vocab, eng.eos_ids)
+        except ImportError:
+            print(f"structured {name}: not installed", flush=True)
+            continue
+        t_setup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        grammar = backend.compile("json_schema", schema)
+        t_compile = time.perf_counter() - t0
+        matchers = [backend.matcher(grammar) for _ in outs]
+        logits = torch.randn(bs, vocab)
+        fill = apply = 0.0
+        steps = max(lengths)
+        for step in range(steps):
+            rows = [m if step < len(o.token_ids) else None for m, o in zip(matchers, outs)]
+            t0 = time.perf_counter()
+            bitmask = backend.batch_bitmask(rows, logits.device)
+            t1 = time.perf_counter()
+            backend.apply_bitmask(logits, bitmask)
+            t2 = time.perf_counter()
+            fill, apply = fill + t1 - t0, apply + t2 - t1
+            for m, o in zip(rows, outs):
+                if m is not None and not m.is_terminated():
+                    m.accept(o.token_ids[step])
+        print(f"structured {name}: setup={1e3 * t_setup:.1f} ms  compile={1e3 * t_compile:.1f} ms  "
+              f"mask per step at batch {bs}={1e3 * (fill + apply) / steps:.3f} ms (fill {1e3 * fill / steps:.3f} + "
+              f"apply {1e3 * apply / steps:.3f}) over {steps} steps", flush=True)
+
+
+GREEDY_WARMUP = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+
+
 CASES = {"mixed": case_mixed, "prefill": case_prefill, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
-         "overlap": case_overlap, "linear": case_linear, "spec": case_spec}
+         "overlap": case_overlap, "linear": case_linear, "spec": case_spec, "structured": case_structured}
 
 
 def main(argv: list[str] | None = None) -> None:

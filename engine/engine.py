@@ -123,7 +123,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.model_runner, self.eos_ids, self.tokenizer.decode)
         mr = self.model_runner
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, mr.max_context_len,
-                                     mr.max_total_tokens)
+                                     mr.max_total_tokens, eos_token_ids=self.eos_ids)
         self.tokenize = self.inputs.tokenize
         self._rng = random.Random(self.config.seed)
         self._rid_counter = itertools.count()
@@ -163,6 +163,7 @@ class Engine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
         req = Req(rid, list(input_ids), params, gen)
+        req.grammar = self.inputs.grammar_matcher(params)  # (compiled by the validation above: cached)
         if params.min_tokens:
             req.banned_early = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)

@@ -5,21 +5,61 @@ anywhere (and the same way everywhere)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
 from engine.errors import InvalidRequestError, invalid_request_from
+from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, create_grammar_backend
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_context_len: int, max_total_tokens: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_context_len: int, max_total_tokens: int,
+                 eos_token_ids: Iterable[int] | None = None, grammar_backend: str = "llguidance") -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         # A request must fit the context and the KV pool (one slot stays free for padding).
         self.max_len = min(max_context_len, max_total_tokens - 1)
+        # Structured outputs: the backend is built on the first constrained request (a tokenizer
+        # trie: ~0.1 s for a 32k vocabulary); it caches what it compiles.
+        if eos_token_ids is None:
+            eos_token_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammar_backend_name = grammar_backend
+        self._grammar_backend: GrammarBackend | None = None
+        self._grammar_lock = threading.Lock()
+
+    @property
+    def grammar_backend(self) -> GrammarBackend:
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                self._grammar_backend = create_grammar_backend(
+                    self.grammar_backend_name, self.tokenizer.tok.to_str(),
+                    max(self.vocab_size, self.tokenizer.vocab_size), self.eos_token_ids)
+            return self._grammar_backend
+
+    def compile_grammar(self, params: SamplingParams) -> object | None:
+        """The compiled (cached) grammar of the request's constraint, None without one; a
+        constraint that does not compile raises InvalidRequestError naming its parameter."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        kind, spec = constraint
+        try:
+            return self.grammar_backend.compile(kind, spec)
+        except GrammarError as e:
+            what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}[kind]
+            param = {"json_schema": "response_format"}.get(kind, kind)
+            raise InvalidRequestError(f"invalid {what}: {e}", param) from None
+
+    def grammar_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A fresh matcher for the request's constraint (None without one)."""
+        grammar = self.compile_grammar(params)
+        return None if grammar is None else self.grammar_backend.matcher(grammar)
 
     def tokenize(self, prompt: str | None = None, input_ids: list[int] | None = None,
                  messages: list[dict] | None = None) -> list[int]:
@@ -59,6 +99,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt ({num_input} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                 f"context limit of {self.max_len} tokens", "max_tokens")
+        self.compile_grammar(params)  # last: the cheap checks first
 
     @staticmethod
     def as_params(sp: Any) -> SamplingParams:

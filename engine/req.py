@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ErrorKind
+from engine.grammar import GrammarMatcher
 from engine.sampling import SamplingParams
 
 
@@ -50,6 +51,9 @@ class Req:
         # min_tokens: the ids that may not be sampled before it (EOS unless ignored, stop ids).
         self.banned_early: frozenset[int] = frozenset()
         self.stop_str_max_len = max((len(s) for s in sampling_params.stop), default=0)
+        # Structured output: the request's grammar matcher (engine/grammar), set at submit. It
+        # has accepted exactly output_ids (a retracted request keeps both).
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -77,6 +81,8 @@ class Req:
         last = self.output_ids[-1]
         if last in sp.stop_token_ids or (not sp.ignore_eos and last in eos_ids):
             self.finished_reason = FinishReason("stop", last)
+        elif self.grammar is not None and self.grammar.is_terminated():
+            self.finished_reason = FinishReason("stop")  # the output is complete: nothing may follow
         elif self.stop_str_max_len and decode_tail is not None:
             # Enough tokens to cover the longest stop string (a token is at least one char,
             # except byte-fallback pieces: +8 covers a split multi-byte character).

@@ -8,12 +8,14 @@ import msgspec
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.grammar import GrammarBackend
 
 # Below this a temperature is greedy (vLLM's epsilon): dividing logits by it would overflow.
 TEMPERATURE_EPS = 1e-5
 # Penalty factors outside this range push float32 logits to inf or to 0 for no visible effect.
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 MAX_INT32 = (1 << 31) - 1
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar (the HTTP body limit is 4 MiB)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -34,6 +36,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many outputs
+    # Structured output (SGLang's names; at most one): the output must match a JSON schema (as a
+    # JSON string), a regular expression, or an EBNF grammar. The sampler masks every other token.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         # Direct construction skips msgspec's type checks: normalise and re-check here.
@@ -83,10 +90,27 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         need(len(self.logit_bias) <= 1024, "at most 1024 logit_bias entries", "logit_bias")
         need(0 <= self.min_tokens <= self.max_new_tokens, f"min_tokens must be in [0, max_tokens], got "
              f"{self.min_tokens}", "min_tokens")
+        constraints = [name for name in _CONSTRAINT_PARAMS if getattr(self, name) is not None]
+        if len(constraints) > 1:
+            raise InvalidRequestError("give at most one of response_format (JSON), regex and ebnf",
+                                      _CONSTRAINT_PARAMS[constraints[-1]])
+        for name in constraints:
+            spec = getattr(self, name)
+            need(0 < len(spec) <= MAX_GRAMMAR_CHARS, f"{name} must be a non-empty string of at most "
+                 f"{MAX_GRAMMAR_CHARS} characters", _CONSTRAINT_PARAMS[name])
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, spec) of its structured-output constraint: kind is "json_schema", "regex" or "ebnf"."""
+        for name in _CONSTRAINT_PARAMS:
+            spec = getattr(self, name)
+            if spec is not None:
+                return name, spec
+        return None
 
     @property
     def has_penalties(self) -> bool:
@@ -108,7 +132,10 @@ _FIELD_KINDS: dict[str, tuple[type, ...]] = {
     "min_p": (int, float), "seed": (int, type(None)), "frequency_penalty": (int, float),
     "presence_penalty": (int, float), "repetition_penalty": (int, float), "ignore_eos": (bool,),
     "logprobs": (bool,), "top_logprobs": (int,), "skip_special_tokens": (bool,), "min_tokens": (int,),
+    "json_schema": (str, type(None)), "regex": (str, type(None)), "ebnf": (str, type(None)),
 }
+# Constraint field -> the request parameter that carries it (the OpenAI body's name).
+_CONSTRAINT_PARAMS = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
 
 
 class SampleResult(msgspec.Struct):
@@ -141,7 +168,11 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
     Returns (ids, bad, logprobs). The ids and `bad` (a bool per row: its logits or probabilities
     were not finite, so its id is void) stay on the logits' device, with no host sync, so the
     caller decides when to copy them; logprobs, computed only when a request asks, are host
-    values already. No input makes this raise: a bad row is flagged, never sampled from."""
+    values already. No input makes this raise: a bad row is flagged, never sampled from.
+    Constrained requests (`.grammar`, a matcher) sample only what their grammar allows: the
+    bitmask is filled on the host first, so on a GPU that overlaps the forward still running."""
+    matchers = [getattr(r, "grammar", None) for r in reqs]
+    grammar_mask = grammar_bitmask(matchers, logits.device)
     logits = logits.float()
     want_logprobs = [r.sampling_params.logprobs for r in reqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -150,6 +181,8 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
         for i, r in enumerate(reqs):
             if r.sampling_params.has_penalties:
                 apply_penalties(logits[i], r.sampling_params, r.origin_input_ids, r.output_ids, r.banned_early)
+    if grammar_mask is not None:  # in place: the raw logprobs are taken, and callers do not reuse logits
+        logits = grammar_mask[0].apply_bitmask(logits, grammar_mask[1], inplace=True)
 
     # max() propagates NaN and +inf, and is -inf only when nothing can be sampled; masked (-inf)
     # tokens beside finite ones are fine. One reduction per row, not an isfinite pass over all.
@@ -177,6 +210,16 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
                     top = list(zip(idx.tolist(), vals.tolist()))
                 out[i] = (chosen[i], top)
     return next_ids, bad, out
+
+
+def grammar_bitmask(matchers: list, device: torch.device) -> tuple[GrammarBackend, torch.Tensor] | None:
+    """(backend, bitmask on `device`) for rows with a grammar matcher (None in a row: no
+    constraint, all allowed); None when no row has one."""
+    first = next((m for m in matchers if m is not None), None)
+    if first is None:
+        return None
+    backend = first.backend
+    return backend, backend.batch_bitmask(matchers, device)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

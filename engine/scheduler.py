@@ -18,6 +18,7 @@ from engine.cache_manager import CacheManager
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, ErrorKind
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.grammar import GrammarError
 from engine.model_runner import PendingSample
 from engine.prefill_adder import AddResult, PrefillAdder
 from engine.req import FinishReason, Req
@@ -186,10 +187,11 @@ class Scheduler:
 
     def _can_schedule_ahead(self) -> bool:
         """Whether the next batch can be scheduled before the in-flight one's results: only a
-        plain decode continuation can (prefill, aborts, retraction and penalties need them)."""
+        plain decode continuation can (prefill, aborts, retraction and penalties need them; so
+        does a grammar: its next mask depends on the token still in flight)."""
         running = self.running_batch.reqs
         return not (self.waiting_queue or self.chunked_req or self.pending_aborts or self.drafter is not None
-                    or any(r.sampling_params.has_penalties for r in running)
+                    or any(r.sampling_params.has_penalties or r.grammar is not None for r in running)
                     or self.cache.available_size() < 2 * len(running) + 2)
 
     def _finish_inflight(self) -> list[Req]:
@@ -456,6 +458,8 @@ class Scheduler:
         return touched
 
     def _append_token(self, req: Req, token: int, logprob: tuple | None) -> None:
+        if req.grammar is not None and not req.grammar.accept(token):  # the mask should make this impossible
+            raise GrammarError(f"token {token} does not fit the request's grammar")
         req.output_ids.append(token)
         if req.sampling_params.logprobs:
             req.output_logprobs.append(logprob)

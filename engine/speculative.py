@@ -101,14 +101,20 @@ class _Position:
 
 def verify(logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]]) -> VerifyResult:
     """logits [sum(1 + len(d)), vocab]: for each request, its 1 + len(d) positions in order."""
-    logits = logits.float()
+    logits = raw = logits.float()
+    fits = [len(d) for d in drafts]
+    if any(getattr(r, "grammar", None) is not None for r in reqs):
+        logits, fits = _grammar_masks(logits, reqs, drafts)
     # One pass over the batch for the common case (greedy, no penalties): argmax and the
     # finiteness check of every row, copied to the host once.
     row_ok = torch.isfinite(logits.amax(dim=-1)).tolist()
     row_argmax = logits.argmax(dim=-1).tolist()
     tokens, logprobs, bad = [], [], []
     drafted = accepted = start = 0
-    for req, draft in zip(reqs, drafts):
+    for req, full_draft, fit in zip(reqs, drafts, fits):
+        # A constrained request's drafts end before the first one its grammar forbids: the
+        # target's (masked) distribution gives that one no mass, so it would be rejected anyway.
+        all_rows, draft = 1 + len(full_draft), full_draft[:fit]
         n_rows = 1 + len(draft)
         params = req.sampling_params
         if params.is_greedy and not params.has_penalties:
@@ -133,15 +139,38 @@ def verify(logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]]) -> Ve
             out = draft[:n] + [target[n]]
         if not ok:
             tokens.append([]), logprobs.append(None), bad.append(True)
-            start += n_rows
+            start += all_rows
             continue
-        drafted += len(draft)
+        drafted += len(full_draft)
         accepted += len(out) - 1
         tokens.append(out)
         bad.append(False)
-        logprobs.append(_logprobs(logits[start:start + n_rows], out, params) if params.logprobs else None)
-        start += n_rows
+        logprobs.append(_logprobs(raw[start:start + n_rows], out, params) if params.logprobs else None)
+        start += all_rows
     return VerifyResult(tokens, logprobs, bad, drafted, accepted)
+
+
+def _grammar_masks(logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    """Mask each constrained request's positions with its grammar's state there (after the
+    drafts before it), and count the drafts its grammar accepts; rows past the first forbidden
+    draft stay unmasked (nothing is taken from them), and so does the row after a draft that
+    completes the grammar (the request ends at that draft). Each matcher ends where it began."""
+    backend = next(r.grammar.backend for r in reqs if getattr(r, "grammar", None) is not None)
+    bitmask = backend.new_bitmask(logits.shape[0])
+    fits, start = [], 0
+    for req, draft in zip(reqs, drafts):
+        m = getattr(req, "grammar", None)
+        fit = len(draft)
+        if m is not None:
+            fit = m.accept_prefix(draft)
+            for j in range(fit, -1, -1):  # from the state after the last fitting draft back to now
+                if not m.is_terminated():
+                    m.fill_bitmask(bitmask, start + j)
+                if j:
+                    m.rollback(1)
+        fits.append(fit)
+        start += 1 + len(draft)
+    return backend.apply_bitmask(logits, bitmask.to(logits.device)), fits
 
 
 def _rejection_sample(probs: torch.Tensor, draft: list[int], gen: torch.Generator | None) -> list[int]:

@@ -99,5 +99,5 @@ def test_rayjob_entrypoint_parses_with_batch_cli():
     argv = shlex.split(doc["spec"]["entrypoint"])
     assert argv[:4] == ["python", "-m", "cluster", "batch"]
     args = build_parser().parse_args(argv[4:])
-    assert args.input == "/data/prompts.jsonl" and args.output == "/data/results.jsonl" and args.num_engines == 2
+    assert args.input == "/data/prompts" and args.output == "/data/results" and args.num_engines == 2
     assert doc["spec"]["shutdownAfterJobFinishes"] is True
