@@ -63,7 +63,13 @@ def submit(ray_head, *args: str) -> subprocess.CompletedProcess:
     url, env, ray_bin = ray_head
     cmd = [ray_bin, "job", "submit", "--address", url, "--working-dir", str(ROOT), "--",
            "python", "-m", "cluster", "batch", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    deadline = time.monotonic() + 60
+    while True:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        # The head answers `job list` before its job agent is up: Ray says to try again later.
+        if "No available agent" not in r.stdout + r.stderr or time.monotonic() > deadline:
+            return r
+        time.sleep(2)
 
 
 def read_shards(folder: Path) -> list[dict]:

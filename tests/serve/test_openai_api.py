@@ -104,7 +104,7 @@ AUTH = ["-H", f"Authorization: Bearer {KEY}", "-H", "Content-Type: application/j
     (json.dumps({"prompt": "x", "max_tokens": 5000}), 400, "max_tokens"),
     (json.dumps({"prompt": ""}), 400, "prompt"),
     (json.dumps({"prompt": [1, 5000]}), 400, "prompt"),
-    (json.dumps({"prompt": "x", "n": 3}), 400, "n"),
+    (json.dumps({"prompt": "x", "n": 0}), 400, "n"),
     (json.dumps({"prompt": "x", "model": "gpt-5"}), 404, None),
     (json.dumps({}), 400, None),
 ])
