@@ -45,12 +45,13 @@ def ray_head(tmp_path_factory):
                              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
                              "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{dash}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        r = subprocess.run([ray_bin, "job", "list", "--address", url], env=env, capture_output=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # up once a trivial job runs: `job list` answers before the job agent is up
+        r = subprocess.run([ray_bin, "job", "submit", "--address", url, "--", "python", "-c", "pass"], env=env,
+                           capture_output=True)
         if r.returncode == 0:
             break
-        time.sleep(1)
+        time.sleep(2)
     else:
         proc.terminate()
         pytest.fail("ray head did not come up")
@@ -63,7 +64,7 @@ def submit(ray_head, *args: str) -> subprocess.CompletedProcess:
     url, env, ray_bin = ray_head
     cmd = [ray_bin, "job", "submit", "--address", url, "--working-dir", str(ROOT), "--",
            "python", "-m", "cluster", "batch", *args]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while True:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         # The head answers `job list` before its job agent is up: Ray says to try again later.
