@@ -43,6 +43,11 @@ def ray_head(tmp_path_factory):
     proc = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
                              f"--temp-dir={temp_dir}",
                              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                             # Its own agent ports: another Ray on this machine (the test session's
+                             # own) holds the defaults, and a job agent that cannot bind never comes up.
+                             f"--dashboard-agent-listen-port={free_port()}",
+                             f"--dashboard-agent-grpc-port={free_port()}",
+                             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
                              "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{dash}"
     deadline = time.monotonic() + 180
