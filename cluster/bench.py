@@ -40,13 +40,7 @@ from cluster import Cluster, ClusterConfig
 from cluster.stats import ClusterStats
 from engine import SamplingParams
 from engine.bench import BENCH_ARCH, bench_model_path, random_prompts
-from engine.builtin_model import (
-    byte_level_tokenizer,
-    moe_config,
-    random_llama_weights,
-    write_checkpoint,
-)
-from kernels.cache import cache_dir
+from engine.builtin_model import cached_random_checkpoint, moe_config
 
 # About 75M parameters: 50M in the experts (8 layers x 8 experts x 3 x 512 x 512), 25M dense
 # (a tied 32000-token embedding, attention).
@@ -269,12 +263,7 @@ def case_dp(path: str, scale: float) -> None:
 
 def bench_moe_model_path() -> str:
     """The moe case's random Qwen3-MoE (built once, cached)."""
-    path = os.path.join(cache_dir(), "bench-qwen3moe-75m-v1")
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        cfg = moe_config(**BENCH_MOE_ARCH)
-        write_checkpoint(path + ".tmp", cfg, random_llama_weights(cfg, seed=0, std=0.02), byte_level_tokenizer())
-        os.replace(path + ".tmp", path)
-    return path
+    return cached_random_checkpoint("bench-qwen3moe-75m-v1", moe_config(**BENCH_MOE_ARCH), std=0.02)
 
 
 def case_moe(path: str, scale: float) -> None:

@@ -32,13 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, SamplingParams
-from engine.builtin_model import (
-    byte_level_tokenizer,
-    cache_dir,
-    llama_config,
-    random_llama_weights,
-    write_checkpoint,
-)
+from engine.builtin_model import cached_random_checkpoint, llama_config
 from kernels.cpu_linear import Linear, onednn_linear_works
 
 BENCH_ARCH = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
@@ -48,12 +42,7 @@ BENCH_ARCH = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num
 
 def bench_model_path() -> str:
     """The ~50M-parameter random Llama used by every case (built once, cached)."""
-    path = os.path.join(cache_dir(), "bench-llama-50m-v1")
-    if not os.path.isfile(os.path.join(path, "model.safetensors")):
-        cfg = llama_config(**BENCH_ARCH)
-        write_checkpoint(path + ".tmp", cfg, random_llama_weights(cfg, seed=0, std=0.02), byte_level_tokenizer())
-        os.replace(path + ".tmp", path)
-    return path
+    return cached_random_checkpoint("bench-llama-50m-v1", llama_config(**BENCH_ARCH), std=0.02)
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, rng: random.Random) -> list[list[int]]:

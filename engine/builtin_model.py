@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -167,14 +168,19 @@ def resolve_model_path(model_path: str | None) -> str:
 
 
 def _build_once(name: str, make_config: Callable[..., dict]) -> str:
+    return cached_random_checkpoint(name, make_config(vocab_size=byte_level_tokenizer().get_vocab_size()))
+
+
+def cached_random_checkpoint(name: str, cfg: dict, **weights: Any) -> str:
+    """A random-weight checkpoint of `cfg` with the byte-level tokenizer, built once under the
+    cache folder as `name` (atomically, so concurrent processes agree); its folder. `weights`
+    go to random_llama_weights (e.g. std)."""
     final = os.path.join(cache_dir(), name)
     if os.path.isfile(os.path.join(final, "model.safetensors")):
         return final
     os.makedirs(cache_dir(), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="builtin-", dir=cache_dir())
-    tok = byte_level_tokenizer()
-    cfg = make_config(vocab_size=tok.get_vocab_size())
-    write_checkpoint(tmp, cfg, random_llama_weights(cfg, seed=0), tok)
+    write_checkpoint(tmp, cfg, random_llama_weights(cfg, seed=0, **weights), byte_level_tokenizer())
     try:
         os.rename(tmp, final)
     except OSError:  # another process won the race; theirs is identical
