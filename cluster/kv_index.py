@@ -12,6 +12,14 @@ import msgspec
 from actors.protocol import KVEventBatch, KVSnapshot
 
 
+def shared_len(key: tuple[int, ...], tokens: list[int], start: int, end: int) -> int:
+    """How many leading tokens of `key` equal tokens[start:end]."""
+    n, limit = 0, min(len(key), end - start)
+    while n < limit and key[n] == tokens[start + n]:
+        n += 1
+    return n
+
+
 class _Node:
     __slots__ = ("children", "key")
 
@@ -28,52 +36,35 @@ class CachedPaths:
         self.root = _Node(())
         self.size = 0  # tokens held
 
-    def _walk_to(self, path: list[int], depth: int) -> _Node | None:
-        """The node ending exactly at path[:depth] (splitting one if depth falls inside it)."""
+    def _descend(self, path: list[int], depth: int) -> tuple[_Node, int]:
+        """Follow path[:depth] as far as the tree holds it, splitting the node it stops inside
+        of; returns the node reached and how many tokens that is."""
         node, i = self.root, 0
         while i < depth:
             child = node.children.get(path[i])
             if child is None:
-                return None
-            n = 0
-            while n < len(child.key) and i + n < depth and child.key[n] == path[i + n]:
-                n += 1
+                break
+            n = shared_len(child.key, path, i, depth)
             if n < len(child.key):
-                if i + n < depth:  # diverges from the path: not held
-                    return None
                 head = _Node(child.key[:n])
                 child.key = child.key[n:]
                 head.children[child.key[0]] = child
-                node.children[path[i]] = head
-                child = head
+                node.children[path[i]] = child = head
             node, i = child, i + n
-        return node
+        return node, i
 
     def insert(self, path: list[int]) -> None:
-        node, i = self.root, 0
-        while i < len(path):
-            child = node.children.get(path[i])
-            if child is None:
-                node.children[path[i]] = _Node(tuple(path[i:]))
-                self.size += len(path) - i
-                return
-            n = 0
-            while n < len(child.key) and i + n < len(path) and child.key[n] == path[i + n]:
-                n += 1
-            if n < len(child.key):
-                head = _Node(child.key[:n])
-                child.key = child.key[n:]
-                head.children[child.key[0]] = child
-                node.children[path[i]] = head
-                child = head
-            node, i = child, i + n
+        node, i = self._descend(path, len(path))
+        if i < len(path):
+            node.children[path[i]] = _Node(tuple(path[i:]))
+            self.size += len(path) - i
 
     def remove(self, path: list[int], start: int) -> None:
         """The engine dropped path[start:] (a leaf of its tree: nothing below it)."""
         if start >= len(path):
             return
-        parent = self._walk_to(path, start)
-        if parent is None:
+        parent, depth = self._descend(path, start)
+        if depth < start:  # not held
             return
         child = parent.children.pop(path[start], None)
         if child is not None:
@@ -95,9 +86,7 @@ class CachedPaths:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            n = 0
-            while n < len(child.key) and i + n < len(tokens) and child.key[n] == tokens[i + n]:
-                n += 1
+            n = shared_len(child.key, tokens, i, len(tokens))
             i += n
             if n < len(child.key):
                 break

@@ -19,7 +19,7 @@ from typing import Literal, Protocol, get_args
 
 import msgspec
 
-from cluster.kv_index import KVIndex, KVIndexStats
+from cluster.kv_index import KVIndex, KVIndexStats, shared_len
 
 RoutingName = Literal["round_robin", "least_load", "cache_aware", "kv_events"]
 POLICIES = get_args(RoutingName)
@@ -59,9 +59,7 @@ class PrefixTree:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            n = 0
-            while n < len(child.key) and i + n < len(tokens) and child.key[n] == tokens[i + n]:
-                n += 1
+            n = shared_len(child.key, tokens, i, len(tokens))
             path.append(child)
             i += n
             if n < len(child.key):
@@ -80,9 +78,7 @@ class PrefixTree:
                 self.size += len(leaf.key)
                 path.append(leaf)
                 break
-            n = 0
-            while n < len(child.key) and i + n < len(tokens) and child.key[n] == tokens[i + n]:
-                n += 1
+            n = shared_len(child.key, tokens, i, len(tokens))
             if n < len(child.key):  # split: the head joins the order on touch, after its tail
                 head = _Node(child.key[:n], node)
                 node.children[tokens[i]] = head
