@@ -38,6 +38,66 @@ def _invalid(rid: str, prompt_tokens: int, error: InvalidRequestError) -> Stream
                        error=f"invalid request: {error}", error_kind="invalid_request")
 
 
+def _refused(rid: str, prompt_tokens: int) -> StreamDelta:
+    return StreamDelta(rid=rid, text="", token_ids=[], finish_reason="abort", prompt_tokens=prompt_tokens,
+                       error="engine is draining", error_kind="draining")
+
+
+class _Channel:
+    """One consumer's items, filled from any thread and drained by one async reader: one
+    wake-up per burst of items, not one per item."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.items: list = []
+        self.lock = threading.Lock()
+        self.ready = asyncio.Event()
+        self.loop = loop
+
+    def put(self, item: object) -> None:
+        with self.lock:
+            self.items.append(item)
+            first = len(self.items) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def take(self) -> list:
+        await self.ready.wait()
+        with self.lock:
+            items, self.items = self.items, []
+            self.ready.clear()
+        return items
+
+
+class _KVStream:
+    """One consumer's pending KV events, as runs of consecutive sequence numbers."""
+
+    def __init__(self, channel: _Channel) -> None:
+        self.channel = channel
+        self.pending = 0
+
+    def add(self, seq: int, event: KVEvent) -> None:
+        ch = self.channel
+        with ch.lock:
+            if self.pending >= MAX_PENDING_KV_EVENTS:  # too slow a reader: it will see a gap
+                ch.items, self.pending = [], 0
+            last = ch.items[-1] if ch.items else None
+            if last is not None and last[0] + len(last[1]) == seq:
+                last[1].append(event)
+            else:  # the first, or the first after a gap
+                ch.items.append((seq, [event]))
+                if len(ch.items) == 1:
+                    ch.loop.call_soon_threadsafe(ch.ready.set)
+            self.pending += 1
+
+    async def take(self) -> list[tuple[int, list[KVEvent]]]:
+        ch = self.channel
+        await ch.ready.wait()
+        with ch.lock:
+            items, ch.items, self.pending = ch.items, [], 0
+            ch.ready.clear()
+        return items
+
+
 class EngineActor:
     """One engine per GPU (or per group of CPUs). Created by the cluster with ray.remote options."""
 
@@ -51,20 +111,19 @@ class EngineActor:
         # Evicted radix paths, for the router's cache-aware tree (drained by heartbeat()).
         self._evicted: deque[list[int]] = deque(maxlen=MAX_PENDING_EVICTIONS)
         self.engine.scheduler.cache.subscribe(self._on_kv_event)
-        # Multiplexed output channel (see outputs()): deltas of every request, drained per yield.
-        self._outbox: list[StreamDelta] = []
-        self._outbox_lock = threading.Lock()
-        self._outbox_ready = asyncio.Event()
+        # Multiplexed output channels (see outputs()), one per consumer (a front end): the
+        # deltas of every request it submitted, drained per yield.
+        self._outboxes: dict[str, _Channel] = {}
+        self._consumer_of: dict[str, str] = {}  # rid -> consumer, while the request runs
+        self._unstreamed: set[str] = set()  # rids without a token yet (a drain may re-route them)
+        self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        # The KV event stream (kv_events()): numbered from 1 per actor instance, buffered only
-        # once someone reads it. Engine thread appends; the actor's loop drains.
+        # The KV event streams (kv_events()): numbered from 1 per actor instance, buffered per
+        # consumer once it reads. Engine thread appends; the actor's loop drains.
         self._kv_seq = 0
-        self._kv_batches: list[tuple[int, list[KVEvent]]] = []  # (first seq, consecutive events)
-        self._kv_pending = 0
-        self._kv_streaming = False
+        self._kv_streams: dict[str, _KVStream] = {}
         self._kv_drop = 0  # fault injection (tests): lose this many events
         self._kv_lock = threading.Lock()
-        self._kv_ready = asyncio.Event()
         # Attention-DP: the epoch this member joined, and the oldest epoch it may still serve.
         self._in_dp_group = dp is not None
         self._dp_epoch: int | None = None
@@ -126,7 +185,8 @@ class EngineActor:
         return EngineInfo(engine_id=self.engine_id, vocab_size=self.engine.model_config.vocab_size,
                           max_context_len=mr.max_context_len, max_total_tokens=mr.max_total_tokens,
                           device=str(mr.device), node_id=ray.get_runtime_context().get_node_id(),
-                          pid=os.getpid(), num_parameters=params, weight_bytes=params * mr.dtype.itemsize)
+                          pid=os.getpid(), num_parameters=params, weight_bytes=params * mr.dtype.itemsize,
+                          actor_name=ray.get_runtime_context().get_actor_name() or "")
 
     async def generate(self, payload: bytes):
         """Streams msgpack-encoded StreamDeltas; the first token is sent as soon as it exists."""
@@ -156,35 +216,28 @@ class EngineActor:
             self._evicted.append(event.token_ids)
         with self._kv_lock:
             self._kv_seq += 1
-            if not self._kv_streaming:
+            if not self._kv_streams:
                 return
             if self._kv_drop:
                 self._kv_drop -= 1
                 return
-            if self._kv_pending >= MAX_PENDING_KV_EVENTS:
-                self._kv_batches, self._kv_pending = [], 0
-            if not self._kv_batches:
-                self._loop.call_soon_threadsafe(self._kv_ready.set)
-            last = self._kv_batches[-1] if self._kv_batches else None
-            if last is not None and last[0] + len(last[1]) == self._kv_seq:
-                last[1].append(event)
-            else:  # the first, or the first after a gap
-                self._kv_batches.append((self._kv_seq, [event]))
-            self._kv_pending += 1
+            for stream in self._kv_streams.values():
+                stream.add(self._kv_seq, event)
 
-    async def kv_events(self):
+    async def kv_events(self, consumer: str = ""):
         """The engine's KV events (what its prefix cache stores and evicts), numbered, batched:
         one KVEventBatch per wake-up. A reader resyncs with kv_snapshot() after any gap."""
         self._loop = self._loop or asyncio.get_running_loop()
         with self._kv_lock:
-            self._kv_streaming = True
-        while True:
-            await self._kv_ready.wait()
+            stream = self._kv_streams[consumer] = _KVStream(_Channel(self._loop))
+        try:
+            while True:
+                for first, events in await stream.take():
+                    yield encode(KVEventBatch(self.incarnation, first, events))
+        finally:
             with self._kv_lock:
-                batches, self._kv_batches, self._kv_pending = self._kv_batches, [], 0
-                self._kv_ready.clear()
-            for first, events in batches:
-                yield encode(KVEventBatch(self.incarnation, first, events))
+                if self._kv_streams.get(consumer) is stream:
+                    del self._kv_streams[consumer]
 
     def kv_snapshot(self) -> bytes:
         """Everything the cache holds now and the seq of the last event it reflects."""
@@ -198,42 +251,81 @@ class EngineActor:
         with self._kv_lock:
             self._kv_drop += n
 
-    def _to_outbox(self, delta: StreamDelta) -> None:
-        """Engine-thread sink: one wake-up per burst of deltas, not one per delta."""
-        with self._outbox_lock:
-            self._outbox.append(delta)
-            first = len(self._outbox) == 1
-        if first:
-            self._loop.call_soon_threadsafe(self._outbox_ready.set)
+    def _outbox(self, consumer: str) -> _Channel:
+        box = self._outboxes.get(consumer)
+        if box is None:
+            box = self._outboxes[consumer] = _Channel(self._loop)
+        return box
 
-    async def submit(self, payload: bytes) -> str:
-        """Queue a request whose deltas go to the outputs() channel (the cluster's path).
-        Returns this actor instance's incarnation."""
+    def _sink(self, consumer: str):
+        """The engine-thread sink of one consumer's requests."""
+        box = self._outbox(consumer)
+
+        def sink(delta: StreamDelta) -> None:
+            if delta.token_ids:
+                self._unstreamed.discard(delta.rid)
+            if delta.finish_reason is not None:
+                self._unstreamed.discard(delta.rid)
+                self._consumer_of.pop(delta.rid, None)
+            box.put(delta)
+        return sink
+
+    async def submit(self, payload: bytes, consumer: str = "") -> str:
+        """Queue a request whose deltas go to `consumer`'s outputs() channel (the cluster's
+        path). Returns this actor instance's incarnation."""
         self._loop = self._loop or asyncio.get_running_loop()
         req = decode_request(payload)
+        sink = self._sink(consumer)
+        if self._draining:  # never taken: the front end sends it elsewhere
+            sink(_refused(req.rid, len(req.input_ids)))
+            return self.incarnation
+        self._consumer_of[req.rid] = consumer
+        self._unstreamed.add(req.rid)
         try:
-            self.engine.submit(req.input_ids, req.sampling_params, self._to_outbox, rid=req.rid)
+            self.engine.submit(req.input_ids, req.sampling_params, sink, rid=req.rid)
         except InvalidRequestError as e:
-            self._to_outbox(_invalid(req.rid, len(req.input_ids), e))
+            sink(_invalid(req.rid, len(req.input_ids), e))
         return self.incarnation
 
     def incarnation_id(self) -> str:
         return self.incarnation
 
-    async def outputs(self):
-        """One long-lived stream carrying every submitted request's deltas, batched: one Ray
-        object per engine step or so, instead of one per token per request."""
+    async def outputs(self, consumer: str = ""):
+        """One long-lived stream carrying every request `consumer` submitted, batched: one Ray
+        object per engine step or so, instead of one per token per request. When the stream
+        ends (the consumer went away), its requests are aborted: nobody reads them any more."""
         self._loop = self._loop or asyncio.get_running_loop()
-        while True:
-            await self._outbox_ready.wait()
-            with self._outbox_lock:
-                batch, self._outbox = self._outbox, []
-                self._outbox_ready.clear()
-            if batch:
-                yield encode_batch(batch)
+        box = self._outbox(consumer)
+        try:
+            while True:
+                batch = await box.take()
+                if batch:
+                    yield encode_batch(batch)
+        finally:
+            for rid, owner in list(self._consumer_of.items()):
+                if owner == consumer:
+                    self.engine.abort(rid, "its front end went away")
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
+
+    async def drain(self, reroute_after_s: float, timeout_s: float) -> int:
+        """Leave the fleet gracefully: take no new request, let the running ones finish; after
+        reroute_after_s, hand back those without a token yet (their front end re-routes them,
+        error kind "draining"). Returns how many requests were still running at timeout_s."""
+        self._draining = True
+        start = time.monotonic()
+        rerouted = False
+        while self.engine.scheduler.has_work() or not self.engine._inbox.empty():
+            elapsed = time.monotonic() - start
+            if elapsed > timeout_s:
+                return len(self._consumer_of)
+            if not rerouted and elapsed > reroute_after_s:
+                rerouted = True
+                for rid in list(self._unstreamed):
+                    self.engine.abort(rid, "engine is draining", kind="draining")
+            await asyncio.sleep(0.05)
+        return 0
 
     def stats(self) -> EngineActorStats:
         dp = None

@@ -24,6 +24,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     pid: int
     num_parameters: int = 0  # the weights this engine holds (an attention-DP member: its share)
     weight_bytes: int = 0
+    actor_name: str = ""  # the engine actor's Ray name (namespace "radixray"), if it has one
 
 
 class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):

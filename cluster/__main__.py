@@ -11,6 +11,7 @@ from cluster.cli import add_cluster_flags, add_struct_flags, given
 
 def serve_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     from deploy.app import HTTPOptions
+    from deploy.engines import FleetOptions
 
     ap = argparse.ArgumentParser(prog="python -m cluster serve",
                                  description="Serve the OpenAI-compatible API with Ray Serve.")
@@ -21,8 +22,11 @@ def serve_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     ap.add_argument("--http-body-timeout-s", type=float, default=None,
                     help="cut a client whose request body takes longer (default 30; new local Ray only)")
     fields = add_struct_flags(ap.add_argument_group("HTTP options"), HTTPOptions)
+    fleet = add_struct_flags(ap.add_argument_group(
+        "fleet (front-end replicas; a fixed --num-engines, or autoscaling between --min-engines and --max-engines)"),
+        FleetOptions)
     cluster, engine = add_cluster_flags(ap)
-    return ap, fields + cluster + engine
+    return ap, fields + fleet + cluster + engine
 
 
 def serve_main(argv: list[str]) -> int:
@@ -38,12 +42,12 @@ def serve_main(argv: list[str]) -> int:
     from deploy import http_guard
     from deploy.app import build_app
 
-    app = build_app(given(args, fields))  # flat: AppArgs sorts the names into its parts
     # The proxies inherit these from the Ray processes this starts (a cluster joined by
     # --address needs them in its own environment).
     os.environ.update(http_guard.environment(args.http_header_timeout_s, args.http_body_timeout_s))
     # Request failures and engine tracebacks are printed here, not only in Ray's log files.
     ensure_ray(args.address, log_to_driver=True)
+    app = build_app(given(args, fields))  # flat: AppArgs sorts the names into its parts
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="radixray", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"

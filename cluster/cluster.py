@@ -1,4 +1,10 @@
-"""Cluster: N engine actors behind one router, on a new or an existing Ray cluster."""
+"""Cluster: engine actors behind one router, on a new or an existing Ray cluster.
+
+The engines are either the cluster's own (N actors it starts and owns: the Python API and the
+batch job) or a fleet it follows (the engine replicas of the Serve deployment, deploy/engines.py:
+engines join, drain and leave while it runs; every front end holds a Cluster on the same fleet).
+Either way, each engine has an index that is never reused, and the router, the output channels
+and the KV event streams are per index."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -73,23 +80,128 @@ def _error(rid: str, message: str, kind: ErrorKind, prompt_tokens: int = 0) -> S
                        error=message, error_kind=kind)
 
 
+@dataclass
+class _Engine:
+    """One engine the cluster routes to (index = its position in Cluster.engines)."""
+
+    actor: Any
+    info: EngineInfo
+    name: str
+    consumers: list = field(default_factory=list)  # its output and KV event readers
+    retired: bool = False  # left the fleet: never routed to again
+
+
 class Cluster:
-    def __init__(self, config: ClusterConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: ClusterConfig | None = None, fleet: Any = None, **kwargs: Any) -> None:
+        """fleet: a handle to the Fleet deployment (deploy/engines.py) to follow its engines;
+        None: start and own config.num_engines engines."""
         self.config = config if config is not None else ClusterConfig.from_kwargs(**kwargs)
         self._owns_ray = ensure_ray(self.config.address)
         self.pg = None
-        self.actors: list = []
+        self.engines: list[_Engine] = []
         self.coordinators: list = []
-        self._consumers: list = []
+        self._owned: list = []  # the actors this cluster started (killed by shutdown)
         self._closed = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # guards the router and the engine list
         try:
-            self._start(self.config)
+            self._start(self.config, fleet)
         except BaseException:  # nothing started here may outlive a failed constructor
             self.shutdown()
             raise
 
-    def _start(self, cfg: ClusterConfig) -> None:
+    @property
+    def actors(self) -> list:
+        return [e.actor for e in self.engines]
+
+    @property
+    def infos(self) -> list[EngineInfo]:
+        return [e.info for e in self.engines]
+
+    @property
+    def actor_names(self) -> list[str]:
+        return [e.name for e in self.engines if not e.retired]
+
+    def _start(self, cfg: ClusterConfig, fleet: Any) -> None:
+        model_path = cfg.model_path or builtin_model_path()
+        self.tokenizer = Tokenizer(model_path)
+        # This cluster's name on every engine: its output channel and KV event stream there.
+        self.consumer = uuid.uuid4().hex[:12]
+        self.router = Router(cfg.routing, 0, policy_options=cfg.routing_options)
+        self._where: dict[str, int] = {}  # request id -> engine, while in flight
+        self._incarnation: dict[str, str] = {}  # request id -> the engine instance that took it
+        self._subs: dict[str, tuple[int, asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
+        if fleet is None:
+            self._start_engines(cfg)
+        else:
+            self._fleet_keys: dict[str, int] = {}
+            first = threading.Event()
+            threading.Thread(target=self._follow_fleet, args=(fleet, first), name="radixray-fleet",
+                             daemon=True).start()
+            if not first.wait(timeout=600):
+                raise TimeoutError("no engine joined the fleet in time")
+        infos = self.infos
+        self.inputs = InputProcessor(self.tokenizer, ModelConfig.from_dir(model_path).vocab_size,
+                                     min(i.max_context_len for i in infos), min(i.max_total_tokens for i in infos))
+        self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
+        self._health.start()
+
+    def _add_engine(self, actor: Any, info: EngineInfo, name: str) -> int:
+        """Under self._lock: route to a new engine and start reading its output (and KV events)."""
+        idx = self.router.add_engine(info.max_total_tokens)
+        engine = _Engine(actor, info, name)
+        self.engines.append(engine)
+        coros = [self._consume(idx)] + ([self._follow_kv(idx)] if self.router.exact else [])
+        engine.consumers = [asyncio.run_coroutine_threadsafe(c, self._loop) for c in coros]
+        return idx
+
+    def _retire_engine(self, idx: int) -> None:
+        """The engine left the fleet: its requests that are still here re-route or fail."""
+        with self._lock:
+            engine = self.engines[idx]
+            if engine.retired:
+                return
+            engine.retired = True
+            self.router.stop_accepting(idx)
+            self.router.set_healthy(idx, False)
+            self.router.kv_index.clear(idx)
+            doomed = [rid for rid, (i, _, _) in self._subs.items() if i == idx]
+        for fut in engine.consumers:
+            fut.cancel()
+        for rid in doomed:
+            self._deliver(rid, _ENGINE_DIED, idx)
+
+    def _follow_fleet(self, fleet: Any, first: threading.Event) -> None:
+        """Apply the fleet's member list whenever it changes (a long poll on the registry)."""
+        version = None
+        while not self._closed.is_set():
+            try:
+                version, members = fleet.watch.remote(version).result(timeout_s=60)
+            except Exception as e:  # the registry is restarting
+                if self._closed.is_set():
+                    return
+                log.warning("fleet watch failed: %s", type(e).__name__)
+                time.sleep(1.0)
+                continue
+            seen = set()
+            for key, engine_id, actor, info, state in members:
+                seen.add(key)
+                with self._lock:
+                    idx = self._fleet_keys.get(key)
+                    if idx is None:
+                        info = msgspec.msgpack.decode(info, type=EngineInfo)
+                        idx = self._fleet_keys[key] = self._add_engine(actor, info, info.actor_name or key)
+                        log.info("engine %d joined (index %d)", engine_id, idx)
+                    if state == "draining":
+                        self.router.stop_accepting(idx)
+            for key in [k for k in self._fleet_keys if k not in seen]:
+                self._retire_engine(self._fleet_keys.pop(key))
+            if self.engines:
+                first.set()
+
+    def _start_engines(self, cfg: ClusterConfig) -> None:
         use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
         self.device = "cuda" if use_gpu else "cpu"
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": cfg.cpus_per_engine}
@@ -99,36 +211,20 @@ class Cluster:
         actor_cls = ray.remote(EngineActor)
         # Named (in namespace "radixray") so operators and tests can find a cluster's engines.
         self.cluster_id = uuid.uuid4().hex[:8]
-        self.actor_names = [f"radixray-{self.cluster_id}-engine-{i}" for i in range(cfg.num_engines)]
+        names = [f"radixray-{self.cluster_id}-engine-{i}" for i in range(cfg.num_engines)]
         self.coordinators, dp = self._make_dp_groups(cfg)
-        for i in range(cfg.num_engines):  # one at a time: a failure leaves self.actors complete
-            self.actors.append(actor_cls.options(
-                name=self.actor_names[i], namespace=ACTOR_NAMESPACE, lifetime=None,
+        for i in range(cfg.num_engines):  # one at a time: a failure leaves self._owned complete
+            self._owned.append(actor_cls.options(
+                name=names[i], namespace=ACTOR_NAMESPACE, lifetime=None,
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=cfg.max_restarts,
                 max_task_retries=0, max_concurrency=10_000,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             ).remote(engine_cfg, i, dp[i]))
-        self.infos: list[EngineInfo] = ray.get([a.info.remote() for a in self.actors], timeout=600)
-        model_path = cfg.model_path or builtin_model_path()
-        model_cfg = ModelConfig.from_dir(model_path)
-        self.tokenizer = Tokenizer(model_path)
-        self.inputs = InputProcessor(self.tokenizer, model_cfg.vocab_size,
-                                     min(i.max_context_len for i in self.infos),
-                                     min(i.max_total_tokens for i in self.infos))
-        self.router = Router(cfg.routing, cfg.num_engines, kv_capacity=min(i.max_total_tokens for i in self.infos),
-                             policy_options=cfg.routing_options)
-        self._lock = threading.Lock()  # guards the router (request loops and the health thread)
-        self._where: dict[str, int] = {}  # request id -> engine, while in flight
-        self._incarnation: dict[str, str] = {}  # request id -> the engine instance that took it
-        self._subs: dict[str, tuple[int, asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
-        self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
-        self._health.start()
-        self.wait_healthy(timeout_s=600)  # attention-DP members are healthy once their group has formed
-        if self.router.exact:  # the index follows every engine's cache from the start
-            with self._lock:
-                self._start_consumers()
+        infos = ray.get([a.info.remote() for a in self._owned], timeout=600)
+        self._wait_healthy(self._owned, timeout_s=600)  # attention-DP members: once their group formed
+        with self._lock:
+            for actor, info, name in zip(self._owned, infos, names):
+                self._add_engine(actor, info, name)
 
     @staticmethod
     def _make_dp_groups(cfg: ClusterConfig) -> tuple[list, list[dict | None]]:
@@ -149,34 +245,44 @@ class Cluster:
     def _health_loop(self) -> None:
         period = self.config.health_check_period_s
         while not self._closed.wait(period):
-            refs = [a.heartbeat.remote() for a in self.actors]
-            for i, ref in enumerate(refs):
+            with self._lock:
+                live = [(i, e.actor) for i, e in enumerate(self.engines) if not e.retired]
+            refs = [(i, a.heartbeat.remote()) for i, a in live]
+            for i, ref in refs:
                 try:
                     evicted = ray.get(ref, timeout=max(2.0, 5 * period))
                     ok = True
                 except Exception:  # dead, restarting or hung: out of routing until it answers
                     evicted, ok = [], False
                 with self._lock:
-                    self.router.set_healthy(i, ok)
+                    if not self.engines[i].retired:
+                        self.router.set_healthy(i, ok)
                     if evicted:
                         self.router.evicted(i, evicted)
 
     def healthy(self) -> list[bool]:
+        """Per engine in the fleet (retired ones left out): routable or not."""
         with self._lock:
-            return [ld.healthy for ld in self.router.loads]
+            return [ld.healthy for ld, e in zip(self.router.loads, self.engines) if not e.retired]
 
-    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+    @staticmethod
+    def _wait_healthy(actors: list, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                ray.get([a.check_health.remote() for a in self.actors], timeout=5)
-                with self._lock:
-                    for i in range(len(self.actors)):
-                        self.router.set_healthy(i, True)
+                ray.get([a.check_health.remote() for a in actors], timeout=5)
                 return
             except Exception:
                 time.sleep(0.2)
         raise TimeoutError("engines did not become healthy in time")
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        with self._lock:
+            live = [(i, e.actor) for i, e in enumerate(self.engines) if not e.retired]
+        self._wait_healthy([a for _, a in live], timeout_s)
+        with self._lock:
+            for i, _ in live:
+                self.router.set_healthy(i, True)
 
     # ---- requests --------------------------------------------------------------------------
     async def stream_ids(self, input_ids: list[int], params: SamplingParams,
@@ -208,10 +314,10 @@ class Cluster:
                     return
                 # Each attempt reads its own subscription: a late message about an earlier
                 # engine is dropped by _deliver, never read as this attempt's.
-                streamed = finished = False
+                streamed = finished = rerouted = False
                 self._subscribe(rid, idx, queue)
                 try:
-                    incarnation = await self.actors[idx].submit.remote(payload)
+                    incarnation = await self.engines[idx].actor.submit.remote(payload, self.consumer)
                     with self._lock:
                         self._incarnation[rid] = incarnation
                     while True:
@@ -222,8 +328,11 @@ class Cluster:
                             return
                         if delta is _ENGINE_DIED:
                             raise ray.exceptions.RayActorError()
-                        streamed = streamed or bool(delta.token_ids)
                         finished = delta.finish_reason is not None
+                        if delta.error_kind == "draining" and not streamed:  # handed back: elsewhere
+                            rerouted = True
+                            break
+                        streamed = streamed or bool(delta.token_ids)
                         yield delta
                         if finished:
                             return
@@ -246,6 +355,9 @@ class Cluster:
                         self._send_abort(idx, rid)
                     with self._lock:
                         self.router.done(idx, cost, input_ids)
+                if rerouted:
+                    tried.add(idx)
+                    log.info("engine %d is draining; re-routing request %s", idx, rid)
                 queue = asyncio.Queue()
         finally:
             timer.cancel()
@@ -256,8 +368,6 @@ class Cluster:
         with self._lock:
             self._subs[rid] = (idx, loop, queue)
             self._where[rid] = idx
-            if not self._consumers:  # under the lock: started exactly once
-                self._start_consumers()
 
     def _unsubscribe(self, rid: str) -> None:
         with self._lock:
@@ -265,27 +375,19 @@ class Cluster:
             self._where.pop(rid, None)
             self._incarnation.pop(rid, None)
 
-    def _start_consumers(self) -> None:
-        """Under self._lock: the per-engine output readers and, for exact routing, KV event readers."""
-        if self._consumers:
-            return
-        coros = [self._consume(i) for i in range(len(self.actors))]
-        if self.router.exact:
-            coros += [self._follow_kv(i) for i in range(len(self.actors))]
-        self._consumers = [asyncio.run_coroutine_threadsafe(c, self._loop) for c in coros]
-
     async def _follow_kv(self, i: int) -> None:
         """Keep the routing index's view of engine i exact: apply its KV events in order, resync
         from a snapshot after a gap, a restart or at the start; clear it while the engine is gone."""
         index = self.router.kv_index
+        actor = self.engines[i].actor
         while not self._closed.is_set():
             try:
-                async for ref in self.actors[i].kv_events.remote():
+                async for ref in actor.kv_events.remote(self.consumer):
                     batch = decode_kv_batch(await ref)
                     with self._lock:
                         in_sync = index.apply(i, batch)
                     if not in_sync:
-                        snapshot = decode_kv_snapshot(await self.actors[i].kv_snapshot.remote())
+                        snapshot = decode_kv_snapshot(await actor.kv_snapshot.remote())
                         with self._lock:
                             index.reset(i, snapshot)
             except Exception as e:  # the engine died or is restarting
@@ -306,9 +408,10 @@ class Cluster:
     async def _consume(self, i: int) -> None:
         """Read engine i's multiplexed output stream for the cluster's lifetime; when the engine
         dies, tell every request routed to it, then reopen the stream (Ray restarts the actor)."""
+        actor = self.engines[i].actor
         while not self._closed.is_set():
             try:
-                async for ref in self.actors[i].outputs.remote():
+                async for ref in actor.outputs.remote(self.consumer):
                     for delta in decode_delta_batch(await ref):
                         self._deliver(delta.rid, delta, i)
             except Exception as e:  # RayActorError and friends: the engine is gone
@@ -318,7 +421,7 @@ class Cluster:
             # Doom only requests taken by an instance that is gone: a break noticed late, after
             # Ray restarted the engine, must not fail requests the new instance holds.
             try:
-                live = await asyncio.wait_for(self.actors[i].incarnation_id.remote(), timeout=5)
+                live = await asyncio.wait_for(actor.incarnation_id.remote(), timeout=5)
             except Exception:
                 live = None  # dead, restarting or hung: every request on it is lost
             with self._lock:
@@ -347,7 +450,7 @@ class Cluster:
     async def _abort_confirmed(self, idx: int, rid: str, attempts: int = 5) -> None:
         for _ in range(attempts):
             try:
-                await asyncio.wait_for(asyncio.wrap_future(self.actors[idx].abort.remote(rid).future()),
+                await asyncio.wait_for(asyncio.wrap_future(self.engines[idx].actor.abort.remote(rid).future()),
                                        timeout=ABORT_CONFIRM_TIMEOUT_S)
                 return
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
@@ -390,16 +493,18 @@ class Cluster:
 
     # ---- introspection ---------------------------------------------------------------------
     def stats(self) -> ClusterStats:
-        refs = [a.stats.remote() for a in self.actors]
+        with self._lock:
+            live = [(i, e) for i, e in enumerate(self.engines) if not e.retired]
+            healthy = {i: self.router.loads[i].healthy for i, _ in live}
+        refs = [(i, e, e.actor.stats.remote()) for i, e in live]
         engines: list[EngineActorStats] = []
-        healthy = self.healthy()
-        for i, ref in enumerate(refs):
+        for i, e, ref in refs:
             try:
                 s = ray.get(ref, timeout=10)
                 s.healthy = s.healthy and healthy[i]  # its loop lives, and heartbeats agree
             except Exception:  # unreachable: zeros, except the pool size we know from its info
-                s = EngineActorStats(engine_id=i, healthy=False,
-                                     engine=EngineStats(kv_total=self.infos[i].max_total_tokens))
+                s = EngineActorStats(engine_id=e.info.engine_id, healthy=False,
+                                     engine=EngineStats(kv_total=e.info.max_total_tokens))
             engines.append(s)
         dp_groups: list[DPGroupStats] = []
         if self.coordinators:  # attention-DP: groups are runs of dp_group_size consecutive engines
@@ -410,20 +515,29 @@ class Cluster:
                 dp_groups = self.dp_stats()
         with self._lock:
             routing = self.router.stats()
+        # Per-engine routing figures of the engines in the fleet, in the order of `engines`.
+        keep = [i for i, _ in live]
+        routing.decisions = [routing.decisions[i] for i in keep]
+        for name in ("events_applied", "resyncs", "cached_tokens"):
+            values = getattr(routing.kv_index, name)
+            setattr(routing.kv_index, name, [values[i] for i in keep])
         return ClusterStats(engines=engines, routing=routing, dp_groups=dp_groups)
 
     def check_memory(self) -> list[EngineStats]:
         """Every engine's idle memory invariant (waits for idleness; raises if broken)."""
-        return ray.get([a.check_memory.remote() for a in self.actors], timeout=120)
+        with self._lock:
+            live = [e.actor for e in self.engines if not e.retired]
+        return ray.get([a.check_memory.remote() for a in live], timeout=120)
 
     def shutdown(self) -> None:
         """Stop everything this cluster started (also what a failed constructor got to)."""
         if self._closed.is_set():
             return
         self._closed.set()
-        for fut in self._consumers:
-            fut.cancel()
-        for a in self.actors + self.coordinators:
+        for e in self.engines:
+            for fut in e.consumers:
+                fut.cancel()
+        for a in self._owned + self.coordinators:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone

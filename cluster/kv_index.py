@@ -159,6 +159,12 @@ class KVIndex:
         self.events_applied = [0] * num_engines
         self.resyncs = [0] * num_engines
 
+    def add_engine(self) -> None:
+        self.views.append(_EngineView())
+        self.in_flight.append(InFlightPrompts())
+        self.events_applied.append(0)
+        self.resyncs.append(0)
+
     def apply(self, engine: int, batch: KVEventBatch) -> bool:
         """Apply a batch of engine `engine`'s events. False: a gap or another instance; the
         caller resyncs from a snapshot (until then the engine matches nothing)."""

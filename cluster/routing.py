@@ -121,6 +121,7 @@ class PrefixTree:
 @dataclass
 class EngineLoad:
     healthy: bool = True
+    accepting: bool = True  # False: draining or gone for good (takes no new request)
     requests: int = 0  # in flight through this router
     tokens: int = 0  # prompt + max output tokens of those requests
 
@@ -194,6 +195,9 @@ ROUTING_POLICIES: Mapping[str, Callable[..., RoutingPolicy]] = MappingProxyType(
 class RoutingStats(msgspec.Struct, kw_only=True):
     policy: str
     decisions: list[int]  # requests sent to each engine
+    # Why: "cache_match" (the chosen engine held part of the prompt), "load" (no engine held
+    # any: chosen on load alone), "fallback" (a re-route after an engine died or drained).
+    reasons: dict[str, int] = {}
     # Prompt tokens the chosen engine held, by the router's view (the exact index for kv_events,
     # the approximate trees otherwise) / prompt tokens routed.
     prefix_hit_rate: float
@@ -210,6 +214,7 @@ class Router:
     policy_options: Mapping[str, float] = field(default_factory=dict)
     loads: list[EngineLoad] = field(default_factory=list)
     decisions: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
     matched_tokens: int = 0
     prompt_tokens: int = 0
 
@@ -225,7 +230,19 @@ class Router:
         self.kv_index = KVIndex(self.num_engines)
 
     def healthy(self) -> list[int]:
-        return [i for i, ld in enumerate(self.loads) if ld.healthy]
+        return [i for i, ld in enumerate(self.loads) if ld.healthy and ld.accepting]
+
+    def add_engine(self, kv_capacity: int) -> int:
+        """A new engine joined (indices are never reused); returns its index."""
+        self.loads.append(EngineLoad())
+        self.trees.append(PrefixTree(kv_capacity))
+        self.kv_index.add_engine()
+        self.num_engines += 1
+        return self.num_engines - 1
+
+    def stop_accepting(self, engine: int) -> None:
+        """The engine drains or has left: no new request goes there."""
+        self.loads[engine].accepting = False
 
     def least_loaded(self, candidates: list[int]) -> int:
         return min(candidates, key=lambda i: (self.loads[i].tokens, self.loads[i].requests, i))
@@ -237,11 +254,13 @@ class Router:
             return None
         choice = self.policy.choose(self, input_ids, candidates)
         if self.exact:
-            self.matched_tokens += self.kv_index.match_with_in_flight(choice, input_ids)
+            matched = self.kv_index.match_with_in_flight(choice, input_ids)
             self.kv_index.in_flight[choice].add(input_ids)
         else:
-            self.matched_tokens += self.trees[choice].match(input_ids)
+            matched = self.trees[choice].match(input_ids)
             self.trees[choice].insert(input_ids)
+        self.matched_tokens += matched
+        self.reasons["fallback" if exclude else "cache_match" if matched else "load"] += 1
         self.prompt_tokens += len(input_ids)
         self.decisions[choice] += 1
         self.loads[choice].requests += 1
@@ -268,6 +287,7 @@ class Router:
         return RoutingStats(
             policy=self.policy_name,
             decisions=[self.decisions[i] for i in range(self.num_engines)],
+            reasons=dict(self.reasons),
             prefix_hit_rate=self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             kv_index=self.kv_index.stats(),
         )

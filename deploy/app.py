@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app: a Ray Serve FastAPI ingress in front of the engine actors.
+"""The OpenAI-compatible HTTP app: front-end replicas (tokenize, route, stream) in front of the
+engine deployment (deploy/engines.py), found through the Fleet registry.
 
 `build_app(args)` is the import path for `serve run` / `serve deploy` / RayService
 (`deploy.app:build_app`); `python -m cluster serve` calls it too."""
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import Cluster, ClusterConfig
 from cluster.config import ENGINE_OWN_FIELDS
+from deploy.engines import Fleet, FleetOptions, engine_deployment, gang_size
 from deploy.metrics import ServerMetrics
 from deploy.protocol import (
     ChatCompletionRequest,
@@ -39,6 +41,7 @@ from engine.logs import log_to_stderr
 log = logging.getLogger("radixray.http")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+FLEET_SIZE_FIELDS = ("num_engines", "frontends", "min_engines", "max_engines")
 SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
 
 
@@ -52,17 +55,19 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
-    """What the app is built from: a ClusterConfig and the HTTP options, nested. Its flat form
-    (YAML `args`, `serve run ... key=value`, the CLI) uses their field names side by side, with
-    EngineConfig's fields flat or under `engine`."""
+    """What the app is built from: a ClusterConfig, the HTTP options and the fleet's shape,
+    nested. Its flat form (YAML `args`, `serve run ... key=value`, the CLI) uses their field
+    names side by side, with EngineConfig's fields flat or under `engine`."""
 
     cluster: ClusterConfig
     http: HTTPOptions
+    fleet: FleetOptions = FleetOptions()
 
     @classmethod
     def flat_fields(cls) -> set[str]:
         engine = set(EngineConfig.__struct_fields__) - set(ENGINE_OWN_FIELDS)
-        return set(ClusterConfig.__struct_fields__) | set(HTTPOptions.__struct_fields__) | engine
+        return (set(ClusterConfig.__struct_fields__) | set(HTTPOptions.__struct_fields__)
+                | set(FleetOptions.__struct_fields__) | engine)
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> "AppArgs":
@@ -71,6 +76,7 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
         if unknown:
             raise ConfigError(f"unknown app argument(s): {', '.join(unknown)}")
         http = {k: args.pop(k) for k in list(args) if k in HTTPOptions.__struct_fields__}
+        fleet = {k: args.pop(k) for k in list(args) if k in FleetOptions.__struct_fields__}
         if http.get("api_key") is None and os.environ.get("RADIXRAY_API_KEY"):
             http["api_key"] = os.environ["RADIXRAY_API_KEY"]
         engine = dict(args.pop("engine", None) or {})
@@ -79,8 +85,13 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
         typed = msgspec.structs.asdict(build_config(EngineConfig, "engine", engine, strict=False))
         engine = {k: typed[k] for k in engine}
         # Not strict: `serve run deploy.app:build_app num_engines=2` passes strings.
-        return cls(cluster=ClusterConfig.from_kwargs(strict=False, **args, engine=engine),
-                   http=build_config(HTTPOptions, "http", http, strict=False))
+        cluster = ClusterConfig.from_kwargs(strict=False, **args, engine=engine)
+        fleet_options = build_config(FleetOptions, "fleet", fleet, strict=False)
+        if cluster.dp_attention and fleet_options.autoscaled:
+            size = cluster.dp_group_size or cluster.num_engines
+            if fleet_options.min_engines % size or fleet_options.max_engines % size:
+                raise ConfigError(f"min_engines and max_engines must be multiples of the DP group size ({size})")
+        return cls(cluster=cluster, http=build_config(HTTPOptions, "http", http, strict=False), fleet=fleet_options)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -92,7 +103,7 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 # How an engine-side error kind reaches the client (StreamDelta.error_kind).
 ERROR_STATUS = MappingProxyType({"invalid_request": (400, "invalid_request_error"), "overloaded": (503, "server_error"),
                 "timeout": (504, "server_error"), "aborted": (503, "server_error"),
-                "engine_error": (500, "server_error")})
+                "engine_error": (500, "server_error"), "draining": (503, "server_error")})
 
 
 def delta_error_response(delta: StreamDelta) -> JSONResponse:
@@ -128,6 +139,14 @@ class ClosingStreamingResponse(StreamingResponse):
 app = FastAPI(title="radixray", description="OpenAI-compatible API over radixray engine actors")
 
 
+@app.middleware("http")
+async def _frontend_header(request: Request, call_next: Any) -> Response:
+    """Which front-end replica answered (operators tracing a request across replicas)."""
+    response = await call_next(request)
+    response.headers["x-radixray-frontend"] = serve.get_replica_context().replica_id.unique_id
+    return response
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Unknown routes (404), wrong methods (405): the OpenAI error shape, not FastAPI's."""
@@ -149,18 +168,21 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(app)
 class OpenAIServer:
-    def __init__(self, args: dict[str, Any] | None = None) -> None:
+    """One front-end replica: every replica routes on the same view of the same engines."""
+
+    def __init__(self, args: dict[str, Any] | None = None, fleet: Any = None, engines: Any = None) -> None:
         log_to_stderr()
         self.args = AppArgs.from_dict(args)
         self.http = self.args.http
-        self.cluster = Cluster(self.args.cluster)
+        self.fleet = fleet
+        self.cluster = Cluster(self.args.cluster, fleet=fleet)
         model_path = self.args.cluster.model_path
         self.model_name = self.http.served_model_name or (
             os.path.basename(os.path.normpath(model_path)) if model_path else "radixray-builtin")
         self.metrics = ServerMetrics()
         self.created = int(time.time())
 
-    def __del__(self) -> None:  # Serve calls it when the replica stops: take the engines down too
+    def __del__(self) -> None:  # Serve calls it when the replica stops (the engines stay)
         cluster = getattr(self, "cluster", None)
         if cluster is not None:
             cluster.shutdown()
@@ -295,7 +317,11 @@ class OpenAIServer:
     @app.get("/metrics")
     async def metrics_endpoint(self) -> Response:
         stats = await asyncio.to_thread(self.cluster.stats)
-        return PlainTextResponse(self.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        try:
+            fleet = await asyncio.wait_for(self.fleet.stats.remote(), timeout=5) if self.fleet is not None else None
+        except Exception:  # the registry is restarting: the rest of the page still renders
+            fleet = None
+        return PlainTextResponse(self.metrics.render(stats, fleet), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
@@ -492,5 +518,16 @@ class OpenAIServer:
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """Serve app builder: `serve run deploy.app:build_app num_engines=2 ...` or serve_config.yaml."""
-    AppArgs.from_dict(args)  # validate before anything starts
-    return OpenAIServer.bind(dict(args or {}))
+    parsed = AppArgs.from_dict(args)  # validate before anything starts
+    # The fleet's size is the deployments' replica counts, not a replica's argument: changing it
+    # scales the deployments instead of restarting every replica with new arguments.
+    # Each replica sees the fleet as one engine group (a DP gang, or a lone engine).
+    gang = gang_size(parsed.cluster)
+    args = {**{k: v for k, v in (args or {}).items() if k not in FLEET_SIZE_FIELDS}, "num_engines": gang}
+    if parsed.cluster.dp_attention:
+        args["dp_group_size"] = gang
+    fleet = Fleet.bind()
+    engines = engine_deployment(parsed.cluster, parsed.fleet).bind(args, fleet)
+    # The front end holds no handle to the engines' deployment, only to the registry; binding it
+    # makes Serve deploy the engines as part of this application.
+    return OpenAIServer.options(num_replicas=parsed.fleet.frontends).bind(args, fleet, engines)

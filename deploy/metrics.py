@@ -6,8 +6,11 @@ import bisect
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import msgspec
+
 if TYPE_CHECKING:
     from cluster.stats import ClusterStats
+    from deploy.engines import FleetEvents
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -41,7 +44,7 @@ class ServerMetrics:
         self.ttft = Histogram()
         self.itl = Histogram()
 
-    def render(self, cluster_stats: ClusterStats) -> str:
+    def render(self, cluster_stats: ClusterStats, fleet: FleetEvents | None = None) -> str:
         lines = ["# HELP radixray_requests_total Requests by final status.", "# TYPE radixray_requests_total counter"]
         for status in ("ok", "error", "aborted", "invalid"):
             lines.append(f'radixray_requests_total{{status="{status}"}} {self.requests[status]}')
@@ -63,8 +66,8 @@ class ServerMetrics:
         }
         for name, (help_text, get) in gauges.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-            for i, eng in enumerate(cluster_stats.engines):
-                lines.append(f'{name}{{engine="{i}"}} {get(eng)}')
+            for eng in cluster_stats.engines:
+                lines.append(f'{name}{{engine="{eng.engine_id}"}} {get(eng)}')
         routing, index = cluster_stats.routing, cluster_stats.routing.kv_index
         per_engine = {
             "radixray_routing_decisions_total": ("counter", "Requests routed to the engine.", routing.decisions),
@@ -81,12 +84,13 @@ class ServerMetrics:
         }
         for name, (kind, help_text, values) in per_engine.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines += [f'{name}{{engine="{i}"}} {v}' for i, v in enumerate(values)]
+            lines += [f'{name}{{engine="{e.engine_id}"}} {v}' for e, v in zip(cluster_stats.engines, values)]
         name = "radixray_engine_expert_tokens_total"
         lines += [f"# HELP {name} MoE: (token, expert) pairs the engine's experts computed (an attention-DP member "
                   "with expert parallelism counts its own experts only).", f"# TYPE {name} counter"]
-        for i, eng in enumerate(cluster_stats.engines):
-            lines += [f'{name}{{engine="{i}",expert="{e}"}} {n}' for e, n in enumerate(eng.engine.expert_tokens)]
+        for eng in cluster_stats.engines:
+            lines += [f'{name}{{engine="{eng.engine_id}",expert="{e}"}} {n}'
+                      for e, n in enumerate(eng.engine.expert_tokens)]
         engines = [e.engine for e in cluster_stats.engines]
         actual = sum(e.cached_tokens for e in engines) / max(sum(e.prompt_tokens for e in engines), 1)
         lines += ["# HELP radixray_prefix_hit_rate Prompt tokens the engines served from their caches / prompt tokens.",
@@ -94,4 +98,15 @@ class ServerMetrics:
                   "# HELP radixray_router_prefix_hit_rate The router's estimate of the same.",
                   "# TYPE radixray_router_prefix_hit_rate gauge",
                   f"radixray_router_prefix_hit_rate {routing.prefix_hit_rate}"]
+        lines += ["# HELP radixray_routing_reasons_total Routing decisions by reason (this front end).",
+                  "# TYPE radixray_routing_reasons_total counter"]
+        lines += [f'radixray_routing_reasons_total{{reason="{r}"}} {routing.reasons.get(r, 0)}'
+                  for r in ("cache_match", "load", "fallback")]
+        lines += ["# HELP radixray_fleet_engines Engines this front end routes to.", "# TYPE radixray_fleet_engines gauge",
+                  f"radixray_fleet_engines {len(cluster_stats.engines)}"]
+        if fleet is not None:
+            lines += ["# HELP radixray_fleet_events_total Engines registered, drained, left cleanly, or lost "
+                      "(lease expired).", "# TYPE radixray_fleet_events_total counter"]
+            lines += [f'radixray_fleet_events_total{{event="{k}"}} {v}'
+                      for k, v in msgspec.structs.asdict(fleet).items()]
         return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ import msgspec
 
 # Why a request ended without finishing normally (StreamDelta.error_kind); the HTTP layer maps
 # each to a status (deploy/app.py ERROR_STATUS).
-ErrorKind = Literal["invalid_request", "aborted", "timeout", "overloaded", "engine_error"]
+ErrorKind = Literal["invalid_request", "aborted", "timeout", "overloaded", "engine_error", "draining"]
 
 
 class RadixRayError(Exception):

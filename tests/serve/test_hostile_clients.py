@@ -344,4 +344,7 @@ def test_stream_whose_engines_die_ends_with_an_error_and_a_finish_reason(app):
     while httpx.get(f"{base}/health").status_code != 200:
         assert time.monotonic() < deadline, "the engines did not come back"
         time.sleep(0.5)
+    # Serve replaced the engine replicas: new engines, found by name again.
+    names = httpx.get(f"{base}/health").json()["engine_actors"]
+    engines[:] = [ray.get_actor(n, namespace=ACTOR_NAMESPACE) for n in names]
     assert_healthy_and_clean(base, engines)

@@ -1,0 +1,171 @@
+"""The fleet on real Ray Serve: engines as a deployment (one replica each), front ends that
+scale out, routing on the engines' KV events, autoscaling with drain, a killed engine replica."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+
+from cluster.cluster import ACTOR_NAMESPACE
+from deploy.app import build_app
+
+PREFIX = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park "
+          "with her friends. One day, she saw a big red ball under a tree and ran to get it. ")
+
+
+def engines_of(base: str) -> list:
+    names = httpx.get(f"{base}/health", timeout=30).json()["engine_actors"]
+    return [ray.get_actor(n, namespace=ACTOR_NAMESPACE) for n in names]
+
+
+def wait_for_engines(base: str, n: int, timeout_s: float = 180.0) -> None:
+    """Until every front end routes to exactly n healthy engines (asked a few times: the proxy
+    spreads the health checks over the front ends)."""
+    deadline = time.monotonic() + timeout_s
+    streak = 0
+    while streak < 6:
+        assert time.monotonic() < deadline, f"the fleet did not settle at {n} engines"
+        r = httpx.get(f"{base}/health", timeout=30)
+        ok = r.status_code == 200 and len(r.json()["engines"]) == n
+        streak = streak + 1 if ok else 0
+        time.sleep(0.3)
+
+
+def metric(base: str, line_start: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return float(next(line for line in text.splitlines() if line.startswith(line_start)).split()[-1])
+
+
+def stream_completion(base: str, body: dict, on_event=None) -> tuple[str, list[dict]]:
+    """(finish_reason or "error", events) of one streamed completion."""
+    events: list[dict] = []
+    with httpx.Client(timeout=180) as c, c.stream("POST", f"{base}/v1/completions",
+                                                   json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return f"http {r.status_code}", events
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                break
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if on_event is not None:
+                    on_event(events)
+    if any("error" in e for e in events):
+        return "error", events
+    finishes = [e["choices"][0]["finish_reason"] for e in events if e.get("choices")]
+    return (finishes[-1] if finishes else "none"), events
+
+
+@pytest.fixture(scope="module")
+def fleet(serve_base, model_dirs):
+    from ray import serve
+
+    serve.run(build_app({"model_path": model_dirs["stories"], "num_engines": 2, "frontends": 2,
+                         "routing": "kv_events", "engine": {"max_running_requests": 4}}),
+              name="fleet", route_prefix="/fleet")
+    base = serve_base + "/fleet"
+    wait_for_engines(base, 2)
+    yield base
+    serve.delete("fleet")
+
+
+def test_shared_prefix_lands_on_one_engine_through_either_front_end(fleet):
+    base = fleet
+    engines = engines_of(base)
+    before = [s.engine.num_received for s in ray.get([e.stats.remote() for e in engines])]
+    prefix_len = httpx.post(f"{base}/tokenize", json={"prompt": PREFIX}).json()["count"]
+    frontends, cached = set(), []
+    for i in range(16):
+        r = httpx.post(f"{base}/v1/completions", timeout=60,
+                       json={"prompt": PREFIX + f"Day {i}:", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        frontends.add(r.headers["x-radixray-frontend"])
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        time.sleep(0.2)  # the KV events of the last request reach both front ends
+    assert len(frontends) == 2, "the proxy sent every request to one front end"
+    # Every request after the first found the prefix cached: all went to the engine holding it.
+    assert min(cached[1:]) >= prefix_len - 1, cached
+    after = [s.engine.num_received for s in ray.get([e.stats.remote() for e in engines])]
+    assert sorted(a - b for a, b in zip(after, before)) == [0, 16]
+    assert metric(base, 'radixray_routing_reasons_total{reason="cache_match"}') > 0
+
+
+def test_a_killed_engine_replica_is_replaced_and_its_requests_end_cleanly(fleet):
+    """Requests without a token yet move to the other engine; streaming ones end with an
+    explicit error; Serve replaces the replica, which serves again."""
+    base = fleet
+    body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    victim = engines_of(base)[0]
+    results: list[str] = []
+    started = threading.Barrier(13)
+
+    def one(i: int) -> None:
+        started.wait()
+        results.append(stream_completion(base, {**body, "prompt": f"{i} " + body["prompt"]})[0])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    started.wait()
+    time.sleep(1.0)  # 12 requests on 2 engines of 4 rows each: some decode, some wait
+    ray.kill(victim, no_restart=True)
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 12
+    assert set(results) <= {"length", "error"}, results
+    assert results.count("length") >= 4, results  # at least the other engine's, and the re-routed
+    wait_for_engines(base, 2)
+    assert victim not in engines_of(base)  # a new replica, with a new engine
+    finish, _ = stream_completion(base, {**body, "max_tokens": 8})
+    assert finish == "length"
+    ray.get([e.check_memory.remote() for e in engines_of(base)], timeout=120)
+
+
+@pytest.fixture(scope="module")
+def autoscaled(serve_base, model_dirs):
+    from ray import serve
+
+    serve.run(build_app({"model_path": model_dirs["stories"], "min_engines": 1, "max_engines": 2,
+                         "target_waiting_per_engine": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 4,
+                         "drain_reroute_after_s": 2, "drain_timeout_s": 60,
+                         "engine": {"max_running_requests": 2}}),
+              name="autoscaled", route_prefix="/autoscaled")
+    base = serve_base + "/autoscaled"
+    wait_for_engines(base, 1)
+    yield base
+    serve.delete("autoscaled")
+
+
+def test_burst_scales_up_and_a_steady_stream_survives_the_drain_back_down(autoscaled):
+    base = autoscaled
+    failures: list[str] = []
+
+    def client(stop: threading.Event, max_tokens: int) -> None:
+        while not stop.is_set():
+            body = {"prompt": "Once upon a time", "temperature": 0, "ignore_eos": True, "max_tokens": max_tokens}
+            finish, events = stream_completion(base, body)
+            if finish != "length":
+                failures.append(f"{finish}: {events[-1:] if events else ''}")
+
+    stop_burst, stop_steady = threading.Event(), threading.Event()
+    burst = [threading.Thread(target=client, args=(stop_burst, 96)) for _ in range(8)]
+    for t in burst:
+        t.start()
+    wait_for_engines(base, 2, timeout_s=240)  # the queue behind 2 rows made the fleet grow
+    drains = metric(base, 'radixray_fleet_events_total{event="drains"}')
+    steady = threading.Thread(target=client, args=(stop_steady, 24))
+    steady.start()
+    stop_burst.set()
+    for t in burst:
+        t.join(timeout=300)
+    wait_for_engines(base, 1, timeout_s=240)  # light load: back down, draining one engine
+    stop_steady.set()
+    steady.join(timeout=300)
+    assert metric(base, 'radixray_fleet_events_total{event="drains"}') >= drains + 1
+    assert not failures, failures
+    ray.get([e.check_memory.remote() for e in engines_of(base)], timeout=120)
