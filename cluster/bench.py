@@ -8,8 +8,17 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             8 in flight, engines whose KV holds about 3 prefixes each, so they keep evicting:
             kv_events (exact, from the engines' KV events) vs cache_aware (approximate tree) vs
             round_robin: the engines' actual hit rate, throughput, TTFT p50/p90.
+            Also Ray Serve's PrefixCacheAffinityRouter, routing the same requests over the same
+            engines deployed as Serve replicas (EngineServer's per-request handle path; the router
+            matches prefixes on a text with one character per token).
   http      the same requests streamed through Ray Serve's HTTP app vs the Cluster in Python:
             throughput and time to first visible text (median, p99).
+  frontend  stories260K (or the bench model without ../shared), one engine, 32 streams x 256 tokens,
+            completions then chat: CPU per streamed token of the proxy, the front end and the
+            engine (read from /proc), CPU per request, SSE events per token, tok/s, TTFT and ITL
+            p50/p99, and the same streams through the Cluster in Python (HTTP / direct).
+  autoscale an engine fleet autoscaled between 1 and 2 engines: idle -> burst -> idle, with a light
+            steady stream throughout: time to scale up, time to scale down (with a drain), failures.
   dp        attention-DP: step time of a 2-engine lock-step group vs one engine at the same
             per-engine batch (16), time in collectives, IDLE batches with one-sided load.
   moe       an MoE model (~75M random Qwen3-MoE: 8 experts, top-2, 2/3 of the weights in experts):
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -147,11 +157,73 @@ def case_churn(path: str, scale: float) -> None:
             cl.check_memory()
         hit = sum(e.cached_tokens for e in engines) / max(sum(e.prompt_tokens for e in engines), 1)
         results[policy] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
+    dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight,
+                                       "ray.serve.llm.request_router:PrefixCacheAffinityRouter")
+    results["serve_prefix_affinity"] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
     line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
                      for p, r in results.items())
-    exact, approx = results["kv_events"], results["cache_aware"]
-    print(f"churn      {line}  |  hit kv_events - cache_aware = {100 * (exact[1] - approx[1]):+.0f} points "
-          f"(floor +10)  ttft_p90 kv_events / cache_aware = {exact[3] / approx[3]:.2f}x (ceiling 0.8x)", flush=True)
+    exact = results["kv_events"]
+    best = min((results["cache_aware"], results["serve_prefix_affinity"]), key=lambda r: r[3])
+    print(f"churn      {line}  |  hit kv_events - cache_aware = {100 * (exact[1] - results['cache_aware'][1]):+.0f} "
+          f"points, - serve_prefix_affinity = {100 * (exact[1] - results['serve_prefix_affinity'][1]):+.0f} points "
+          f"(floor +10)  ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)", flush=True)
+
+
+@functools.cache
+def _serve_base() -> str:
+    """Serve's HTTP proxy, started once per bench process (its port cannot change later)."""
+    from ray import serve
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], in_flight: int,
+                      router_class: str) -> tuple[float, list[float], float]:
+    """The churn workload through Serve's handle path with one of Serve's request routers: two
+    EngineServer replicas (engines as in engine_cfg), one stream per request."""
+    from ray import serve
+
+    from actors.protocol import decode_delta
+    from cluster.cluster import ACTOR_NAMESPACE
+    from deploy.engines import Fleet, FleetOptions, GenerateCall, engine_deployment
+
+    _serve_base()
+    cfg = engine_cfg(path, 2, "round_robin", max_total_tokens=pool)
+    args = {"model_path": path, "num_engines": 1, "device": "cpu", "cpus_per_engine": 1,
+            "torch_threads_per_engine": 1, "engine": {"max_total_tokens": pool}}
+    dep = engine_deployment(cfg, FleetOptions()).options(request_router_config={"request_router_class": router_class})
+    serve.run(dep.bind(args, Fleet.bind()), name="bench-router", route_prefix=None)
+    handle = serve.get_deployment_handle("EngineServer", "bench-router")
+
+    async def run() -> tuple[float, list[float]]:
+        gate = asyncio.Semaphore(in_flight)
+
+        async def one(ids: list[int], n: int) -> float:
+            async with gate:
+                call = GenerateCall(rid=os.urandom(8).hex(), input_ids=ids, prompt="".join(chr(0x100 + t) for t in ids),
+                                    sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+                t0, first, got = time.perf_counter(), None, 0
+                async for item in handle.options(stream=True).generate.remote(call):
+                    d = decode_delta(item)
+                    got += len(d.token_ids)
+                    if first is None and d.token_ids:
+                        first = time.perf_counter() - t0
+                assert got == n, "a request skipped work"
+                return first
+
+        t0 = time.perf_counter()
+        ttfts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outs)))
+        return time.perf_counter() - t0, list(ttfts)
+
+    dt, ttfts = asyncio.run(run())
+    engines = [ray.get_actor(f"radixray-bench-router-engine-{i}", namespace=ACTOR_NAMESPACE) for i in range(2)]
+    stats = [s.engine for s in ray.get([e.stats.remote() for e in engines])]
+    ray.get([e.check_memory.remote() for e in engines])
+    serve.delete("bench-router")
+    hit = sum(e.cached_tokens for e in stats) / max(sum(e.prompt_tokens for e in stats), 1)
+    return dt, ttfts, hit
 
 
 def _percentile(xs: list[float], p: float) -> float:
@@ -183,12 +255,11 @@ def case_http(path: str, scale: float) -> None:
     with Cluster(cfg) as cl:
         dt_direct, ttft_direct = cl.run(direct(cl))
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = _serve_base()
     serve.run(build_app({"model_path": path, "num_engines": 2, "routing": "least_load", "device": "cpu",
                          "torch_threads_per_engine": 1, "engine": {"max_total_tokens": 65536}}),
               name="bench", route_prefix="/")
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    url = f"{base}/v1/completions"
     dt_http, ttft_http = asyncio.run(_http_load(url, prompts, outs))
     serve.delete("bench")
     tok = sum(outs)
@@ -351,8 +422,181 @@ def case_batch(path: str, scale: float) -> None:
           f"hit ray_data - generate = {gap:+.1f} points (floor -5)", flush=True)
 
 
+FRONTEND_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K")
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pids(title: str) -> list[int]:
+    """Processes whose title (Ray sets "ray::<actor>") contains `title`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if title.encode() in f.read():
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+async def _sse_load(url: str, bodies: list[dict]) -> dict:
+    """Stream every body at once; tok/s, TTFT and ITL (between events with tokens), events."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        async def one(body: dict) -> tuple[float, list[float], int, int]:
+            t0 = time.perf_counter()
+            last, first, gaps, events, tokens = None, None, [], 0, 0
+            async with session.post(url, json={**body, "stream": True, "stream_options": {
+                    "include_usage": True, "continuous_usage_stats": True}}) as r:
+                assert r.status == 200, await r.text()
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or {}
+                    if not chunk.get("choices"):
+                        continue
+                    now = time.perf_counter()
+                    got = usage.get("completion_tokens", tokens) - tokens
+                    if got <= 0:
+                        continue
+                    tokens += got
+                    events += 1
+                    if first is None:
+                        first = now - t0
+                    else:
+                        gaps.append(now - last)
+                    last = now
+            return first, gaps, events, tokens
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(b) for b in bodies))
+        wall = time.perf_counter() - t0
+    ttfts = [r[0] for r in results]
+    itls = [g for r in results for g in r[1]]
+    return {"wall": wall, "tokens": sum(r[3] for r in results), "events": sum(r[2] for r in results),
+            "ttft": ttfts, "itl": itls}
+
+
+def case_frontend(path: str, scale: float) -> None:
+    from ray import serve
+
+    from deploy.app import build_app
+
+    model = os.path.realpath(FRONTEND_MODEL) if os.path.isdir(FRONTEND_MODEL) else path
+    streams, tokens = 32, max(32, int(256 * scale))
+    prompts = [f"Story {i}: Once upon a time" for i in range(streams)]
+    params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    cfg = ClusterConfig(model_path=model, num_engines=1, device="cpu", cpus_per_engine=1, torch_threads_per_engine=1)
+    with Cluster(cfg) as cl:
+        async def direct() -> float:
+            async def one(p: str) -> int:
+                return sum([len(d.token_ids) async for d in cl.stream(p, params)])
+
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(one(p) for p in prompts))
+            assert sum(got) == streams * tokens, "direct calls skipped work"
+            return time.perf_counter() - t0
+
+        cl.run(direct())  # warm-up
+        dt_direct = cl.run(direct())
+
+    base = _serve_base()
+    serve.run(build_app({"model_path": model, "num_engines": 1, "device": "cpu", "torch_threads_per_engine": 1}),
+              name="bench-frontend", route_prefix="/")
+    procs = {"proxy": _pids("ray::ProxyActor"), "front end": _pids("ServeReplica:bench-frontend:OpenAIServer"),
+             "engine": _pids("ray::EngineActor")}
+    for endpoint, make in (("completions", lambda p: {"prompt": p}),
+                           ("chat", lambda p: {"messages": [{"role": "user", "content": p}]})):
+        url = f"{base}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+        bodies = [{**make(p), "max_tokens": tokens, "temperature": 0, "ignore_eos": True} for p in prompts]
+        asyncio.run(_sse_load(url, bodies[:4]))  # warm-up
+        before = {k: sum(_proc_cpu_s(p) for p in pids) for k, pids in procs.items()}
+        r = asyncio.run(_sse_load(url, bodies))
+        cpu = {k: sum(_proc_cpu_s(p) for p in pids) - before[k] for k, pids in procs.items()}
+        assert r["tokens"] == streams * tokens, "the HTTP run skipped work"
+        per_tok = "  ".join(f"{k}={1e6 * v / r['tokens']:,.0f} us/tok" for k, v in cpu.items())
+        front = cpu["proxy"] + cpu["front end"]
+        print(f"frontend   {endpoint}: {r['tokens'] / r['wall']:,.0f} tok/s (direct {streams * tokens / dt_direct:,.0f}, "
+              f"http/direct={dt_direct / r['wall']:.2f}x, floor 0.9x)  CPU {per_tok}  proxy+front end="
+              f"{1e6 * front / r['tokens']:,.0f} us/tok (ceiling 100), {1e3 * front / streams:,.1f} ms/request  "
+              f"events/token={r['events'] / r['tokens']:.2f}  ttft p50={1e3 * statistics.median(r['ttft']):.0f} ms "
+              f"p99={1e3 * _percentile(r['ttft'], 0.99):.0f} ms  itl p50={1e3 * statistics.median(r['itl']):.1f} ms "
+              f"p99={1e3 * _percentile(r['itl'], 0.99):.1f} ms", flush=True)
+    serve.delete("bench-frontend")
+
+
+def case_autoscale(path: str, scale: float) -> None:
+    import threading
+
+    import httpx
+    from ray import serve
+
+    from deploy.app import build_app
+
+    model = os.path.realpath(FRONTEND_MODEL) if os.path.isdir(FRONTEND_MODEL) else path
+    base = _serve_base()
+    serve.run(build_app({"model_path": model, "min_engines": 1, "max_engines": 2, "device": "cpu",
+                         "torch_threads_per_engine": 1, "target_waiting_per_engine": 1, "upscale_delay_s": 1,
+                         "downscale_delay_s": 10, "drain_reroute_after_s": 5, "engine": {"max_running_requests": 4}}),
+              name="bench-autoscale", route_prefix="/")
+
+    def engines() -> int:
+        return len(httpx.get(f"{base}/health", timeout=30).json()["engines"])
+
+    failures, done = [], 0
+    lock = threading.Lock()
+
+    def client(stop: threading.Event, max_tokens: int) -> None:
+        nonlocal done
+        while not stop.is_set():
+            r = httpx.post(f"{base}/v1/completions", timeout=300, json={
+                "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+            with lock:
+                done += 1
+                if r.status_code != 200 or r.json()["choices"][0]["finish_reason"] != "length":
+                    failures.append(r.text[:200])
+
+    def wait_for(n: int, timeout_s: float = 300) -> float:
+        t0 = time.perf_counter()
+        while engines() != n:
+            assert time.perf_counter() - t0 < timeout_s, f"the fleet never reached {n} engines"
+            time.sleep(0.25)
+        return time.perf_counter() - t0
+
+    stop_steady, stop_burst = threading.Event(), threading.Event()
+    steady = threading.Thread(target=client, args=(stop_steady, 32))
+    steady.start()
+    time.sleep(5)  # idle (one light stream)
+    burst = [threading.Thread(target=client, args=(stop_burst, 256)) for _ in range(16)]
+    for t in burst:
+        t.start()
+    up = wait_for(2)
+    time.sleep(10 * scale)
+    stop_burst.set()
+    for t in burst:
+        t.join()
+    down = wait_for(1)
+    stop_steady.set()
+    steady.join()
+    serve.delete("bench-autoscale")
+    print(f"autoscale  1 -> 2 engines {up:.1f} s after the burst began; 2 -> 1 engines {down:.1f} s after it ended "
+          f"(downscale delay 10 s, drain included)  requests={done} failed={len(failures)} (must be 0)"
+          + (f"  first failure: {failures[0]}" if failures else ""), flush=True)
+
+
 CASES = {"scale": case_scale, "routing": case_routing, "churn": case_churn, "http": case_http, "dp": case_dp,
-         "moe": case_moe, "batch": case_batch}
+         "moe": case_moe, "batch": case_batch, "frontend": case_frontend, "autoscale": case_autoscale}
 
 
 def main(argv: list[str] | None = None) -> None:

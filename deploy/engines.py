@@ -31,7 +31,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.dp_coordinator import DPCoordinator
 from actors.engine_actor import EngineActor
-from actors.protocol import EngineInfo, encode
+from actors.protocol import EngineInfo, GenerateRequest, encode
+from engine import SamplingParams
 from engine.logs import log_to_stderr
 
 log = logging.getLogger("radixray.engines")
@@ -72,6 +73,17 @@ class FleetOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     @property
     def autoscaled(self) -> bool:
         return self.min_engines is not None
+
+
+class GenerateCall(msgspec.Struct, frozen=True):
+    """One request on Serve's handle path (EngineServer.generate: one stream per request). The
+    front ends do not use it; it is how Serve's own request routers reach the engines, e.g.
+    PrefixCacheAffinityRouter, which matches prefixes on `prompt`."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str = ""
 
 
 @dataclass
@@ -237,6 +249,13 @@ class EngineServer:
                     self.fleet.renew.remote(self.key, self.engine, self.info, self._state).result(timeout_s=10)
             except Exception as e:  # the registry is restarting: the lease outlives a few misses
                 log.warning("engine %d could not renew its lease: %s", self.engine_id, type(e).__name__)
+
+    async def generate(self, call: GenerateCall):
+        """Serve's handle path: the request's msgpack-encoded StreamDeltas, one item per step."""
+        payload = encode(GenerateRequest(rid=call.rid, input_ids=call.input_ids,
+                                         sampling_params=call.sampling_params))
+        async for ref in self.engine.generate.remote(payload):
+            yield await ref
 
     async def check_health(self) -> None:
         await self.engine.check_health.remote()

@@ -83,8 +83,9 @@ def test_serve_configs_agree():
     for name, cfg in configs[1:]:
         app = cfg["applications"][0]
         assert app["import_path"] == local["import_path"], name
-        assert set(app["args"]) - {"dp_attention", "dp_group_size", "served_model_name"} <= set(local["args"]) | {
-            "model_path"}, name
+        fleet_size = {"num_engines", "min_engines", "max_engines"}
+        assert set(app["args"]) - {"dp_attention", "dp_group_size", "served_model_name"} - fleet_size <= set(
+            local["args"]) | {"model_path"}, name
     from deploy.app import AppArgs
 
     known = AppArgs.flat_fields()
