@@ -51,6 +51,7 @@ log = logging.getLogger("radixray.cluster")
 ACTOR_NAMESPACE = "radixray"
 _ENGINE_DIED = object()  # queued to a request whose engine's output stream broke
 _TIMED_OUT = object()  # queued to a request when its deadline passes
+_FLUSH = object()  # queued to a request when its held tokens are due (the stream interval)
 ABORT_CONFIRM_TIMEOUT_S = 10.0  # an abort not acknowledged by then is sent again
 
 
@@ -73,6 +74,19 @@ def _engine_is_gone(error: ray.exceptions.RayError) -> bool:
     if isinstance(error, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError):
         return True
     return isinstance(getattr(error, "cause", None), EngineDeadError)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _merge(first: StreamDelta, then: StreamDelta) -> StreamDelta:
+    """One delta carrying two consecutive deltas of a request."""
+    logprobs = first.logprobs + then.logprobs if first.logprobs is not None and then.logprobs is not None else (
+        then.logprobs if first.logprobs is None else first.logprobs)
+    return msgspec.structs.replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
+                                   logprobs=logprobs)
 
 
 def _error(rid: str, message: str, kind: ErrorKind, prompt_tokens: int = 0) -> StreamDelta:
@@ -302,6 +316,8 @@ class Cluster:
             yield _error(rid, f"invalid request: {e}", "invalid_request", len(input_ids))
             return
         loop = asyncio.get_running_loop()
+        interval = self.config.stream_interval_s
+        flush: asyncio.TimerHandle | None = None
         tried: set[int] = set()
         queue: asyncio.Queue = asyncio.Queue()
         timer = loop.call_later(self.config.request_timeout_s, lambda: queue.put_nowait(_TIMED_OUT))
@@ -320,22 +336,44 @@ class Cluster:
                     incarnation = await self.engines[idx].actor.submit.remote(payload, self.consumer)
                     with self._lock:
                         self._incarnation[rid] = incarnation
+                    held: StreamDelta | None = None  # tokens waiting out the stream interval
+                    last_sent = 0.0
                     while True:
-                        delta = await queue.get()
-                        if delta is _TIMED_OUT:
+                        item = await queue.get()
+                        if item is _FLUSH:
+                            flush = None
+                            if held is not None:
+                                yield held
+                                held, last_sent = None, loop.time()
+                            continue
+                        if item is _TIMED_OUT or item is _ENGINE_DIED:
+                            if held is not None:  # what was produced reaches the client first
+                                yield held
+                                held = None
+                            if item is _ENGINE_DIED:
+                                raise ray.exceptions.RayActorError()
                             yield _error(rid, f"request timed out after {self.config.request_timeout_s}s",
                                          "timeout", len(input_ids))
                             return
-                        if delta is _ENGINE_DIED:
-                            raise ray.exceptions.RayActorError()
+                        delta = item if held is None else _merge(held, item)
+                        held = None
                         finished = delta.finish_reason is not None
                         if delta.error_kind == "draining" and not streamed:  # handed back: elsewhere
                             rerouted = True
                             break
-                        streamed = streamed or bool(delta.token_ids)
-                        yield delta
-                        if finished:
-                            return
+                        now = loop.time()
+                        # The first tokens and the end go out at once; the rest at most once
+                        # per stream interval, merged.
+                        if finished or not streamed or now >= last_sent + interval:
+                            streamed = streamed or bool(delta.token_ids)
+                            yield delta
+                            last_sent = now
+                            if finished:
+                                return
+                        else:
+                            held = delta
+                            if flush is None:
+                                flush = loop.call_later(last_sent + interval - now, queue.put_nowait, _FLUSH)
                 except ray.exceptions.RayError as e:  # the actor died, or its engine loop is dead
                     if not _engine_is_gone(e):  # this request's failure, not the engine's
                         log.error("request %s failed on engine %d", rid, idx, exc_info=e)
@@ -350,6 +388,9 @@ class Cluster:
                     tried.add(idx)  # nothing streamed yet: try another engine
                     log.warning("engine %d died before streaming request %s; re-routing", idx, rid)
                 finally:
+                    if flush is not None:
+                        flush.cancel()
+                        flush = None
                     self._unsubscribe(rid)
                     if not finished:  # cancelled, timed out, or given up on: free its KV there
                         self._send_abort(idx, rid)
@@ -405,6 +446,16 @@ class Cluster:
             _, loop, queue = sub
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
+    def _deliver_batch(self, deltas: list[StreamDelta], engine: int) -> None:
+        """_deliver for one engine step's deltas: one wake-up per requests' loop, not per delta."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for delta in deltas:
+            sub = self._subs.get(delta.rid)
+            if sub is not None and sub[0] == engine:
+                by_loop.setdefault(sub[1], []).append((sub[2], delta))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     async def _consume(self, i: int) -> None:
         """Read engine i's multiplexed output stream for the cluster's lifetime; when the engine
         dies, tell every request routed to it, then reopen the stream (Ray restarts the actor)."""
@@ -412,8 +463,7 @@ class Cluster:
         while not self._closed.is_set():
             try:
                 async for ref in actor.outputs.remote(self.consumer):
-                    for delta in decode_delta_batch(await ref):
-                        self._deliver(delta.rid, delta, i)
+                    self._deliver_batch(decode_delta_batch(await ref), i)
             except Exception as e:  # RayActorError and friends: the engine is gone
                 if self._closed.is_set():
                     return

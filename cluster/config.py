@@ -29,6 +29,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     max_restarts: int = -1  # Ray restarts a dead engine actor (-1: forever)
     request_timeout_s: float = 600.0
+    # A stream's tokens after its first go out at most once per interval, merged into one delta
+    # (one SSE event): the first token and the end are never held. 0: every engine step.
+    stream_interval_s: float = 0.02
     health_check_period_s: float = 1.0
     engine: dict[str, Any] = {}  # EngineConfig overrides, with EngineConfig's field names
     dp_attention: bool = False
@@ -51,6 +54,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ConfigError(f"placement_strategy {self.placement_strategy!r} is not a Ray strategy")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device must be auto, cpu or cuda")
+        if not 0 <= self.stream_interval_s <= 1:
+            raise ConfigError("stream_interval_s must be in [0, 1]")
         if self.cpus_per_engine <= 0:
             raise ConfigError("cpus_per_engine must be > 0")
         for key in ENGINE_OWN_FIELDS:

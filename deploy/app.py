@@ -302,8 +302,9 @@ class OpenAIServer:
     @app.get("/health")
     async def health(self) -> Response:
         healthy = self.cluster.healthy()
-        status = 200 if all(healthy) else 503
-        return JSONResponse({"healthy": all(healthy), "engines": healthy,
+        ok = bool(healthy) and all(healthy)  # an empty fleet (all replaced at once) serves nothing
+        status = 200 if ok else 503
+        return JSONResponse({"healthy": ok, "engines": healthy,
                              "engine_actors": self.cluster.actor_names}, status_code=status)
 
     @app.get("/v1/models")

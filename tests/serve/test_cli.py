@@ -82,3 +82,27 @@ def test_sigterm_stops_cleanly(served):
     console.proc.send_signal(signal.SIGTERM)
     assert console.proc.wait(timeout=120) == 0
     console.wait_for("radixray: shutting down", timeout_s=5)
+
+
+def test_the_scaling_recipe_parses_and_builds():
+    """The README's scale-out command, as written: its flags parse, and the app it describes
+    builds (a front-end deployment of 2, an autoscaled engine deployment, the fleet registry)."""
+    import re
+
+    from cluster.__main__ import serve_parser
+    from cluster.cli import given
+    from deploy.app import AppArgs, build_app
+    from tests.conftest import data_path
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n## Scaling out"):]
+    line = re.search(r"```bash\n(.*?)```", section, re.S).group(1).strip()
+    argv = shlex.split(line)
+    assert argv[:4] == ["python3", "-m", "cluster", "serve"]
+    argv = [str(data_path("models/stories260K")) if a == "../shared/models/stories260K" else a for a in argv[4:]]
+    ap, fields = serve_parser()
+    flat = given(ap.parse_args(argv), fields)
+    parsed = AppArgs.from_dict(flat)
+    assert parsed.fleet.frontends == 2 and (parsed.fleet.min_engines, parsed.fleet.max_engines) == (1, 2)
+    app = build_app(flat)
+    assert type(app).__name__ == "Application"
