@@ -52,7 +52,8 @@ ACTOR_NAMESPACE = "radixray"
 _ENGINE_DIED = object()  # queued to a request whose engine's output stream broke
 _TIMED_OUT = object()  # queued to a request when its deadline passes
 _FLUSH = object()  # queued to a request when its held tokens are due (the stream interval)
-ABORT_CONFIRM_TIMEOUT_S = 10.0  # an abort not acknowledged by then is sent again
+ABORT_CONFIRM_TIMEOUT_S = 10.0
+FLEET_GRACE_S = 15.0  # how long a replaced registry may not list a live engine (lease renewals)  # an abort not acknowledged by then is sent again
 
 
 def ensure_ray(address: str | None = None, log_to_driver: bool = False) -> bool:
@@ -190,6 +191,8 @@ class Cluster:
     def _follow_fleet(self, fleet: Any, first: threading.Event) -> None:
         """Apply the fleet's member list whenever it changes (a long poll on the registry)."""
         version = None
+        missing: dict[str, tuple[str, float]] = {}  # key -> (registry instance, time) first missed
+        known_registry: dict[str, str] = {}  # key -> the registry instance that last listed it
         while not self._closed.is_set():
             try:
                 version, members = fleet.watch.remote(version).result(timeout_s=60)
@@ -210,8 +213,18 @@ class Cluster:
                         log.info("engine %d joined (index %d)", engine_id, idx)
                     if state == "draining":
                         self.router.stop_accepting(idx)
+            # An engine missing from the list has left, unless the registry itself was replaced:
+            # its engines register again within a lease renewal, so only a longer absence counts.
+            now = time.monotonic()
+            registry = version[0]
             for key in [k for k in self._fleet_keys if k not in seen]:
-                self._retire_engine(self._fleet_keys.pop(key))
+                since = missing.setdefault(key, (registry, now))
+                if since[0] == known_registry.get(key, registry) or now - since[1] > FLEET_GRACE_S:
+                    missing.pop(key)
+                    self._retire_engine(self._fleet_keys.pop(key))
+            for key in seen:
+                missing.pop(key, None)
+                known_registry[key] = registry
             if self.engines:
                 first.set()
 

@@ -130,11 +130,14 @@ class Fleet:
         if gone:
             self._bump()
 
-    def register(self, key: str) -> int:
-        """A starting engine's id (stable for its life; ids are never reused)."""
+    def register(self, key: str, engine_id: int | None = None) -> int:
+        """A starting engine's id (stable for its life; not reused). An engine that registers
+        again with a replaced registry keeps its id."""
         if key not in self.members:
-            self.members[key] = _Member(self.next_id, expires=time.monotonic() + LEASE_S)
-            self.next_id += 1
+            if engine_id is None:
+                engine_id = self.next_id
+            self.next_id = max(self.next_id, engine_id + 1)
+            self.members[key] = _Member(engine_id, expires=time.monotonic() + LEASE_S)
             self.events.registered += 1
         return self.members[key].engine_id
 
@@ -218,7 +221,7 @@ class EngineServer:
         # max_restarts=0: a dead engine fails this replica's health check and Serve replaces
         # the replica (under attention-DP, the whole gang).
         self.engine = ray.remote(EngineActor).options(
-            name=f"radixray-{ctx.app_name}-engine-{self.engine_id}", namespace=ACTOR_NAMESPACE,
+            name=f"radixray-{ctx.app_name}-engine-{self.key}", namespace=ACTOR_NAMESPACE,
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
             max_concurrency=10_000, scheduling_strategy=strategy,
         ).remote(engine_cfg, self.engine_id, dp)
@@ -245,7 +248,7 @@ class EngineServer:
             try:
                 known = self.fleet.renew.remote(self.key, state=self._state).result(timeout_s=10)
                 if not known:  # the registry was replaced: register again
-                    self.fleet.register.remote(self.key).result(timeout_s=10)
+                    self.fleet.register.remote(self.key, self.engine_id).result(timeout_s=10)
                     self.fleet.renew.remote(self.key, self.engine, self.info, self._state).result(timeout_s=10)
             except Exception as e:  # the registry is restarting: the lease outlives a few misses
                 log.warning("engine %d could not renew its lease: %s", self.engine_id, type(e).__name__)
@@ -341,6 +344,9 @@ def engine_deployment(cluster: Any, options: FleetOptions) -> serve.Deployment:
         "graceful_shutdown_wait_loop_s": 0.5,
         "graceful_shutdown_timeout_s": options.drain_timeout_s + 15.0,
         "logging_config": {"enable_access_log": False},
+        # A rolling update (a config change) replaces one replica (one engine) at a time, each
+        # after its drain; under attention-DP Serve replaces whole gangs.
+        "rolling_update_percentage": 0.001,
     }
     if gang > 1:
         opts["gang_scheduling_config"] = {"gang_size": gang}

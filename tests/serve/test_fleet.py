@@ -126,6 +126,41 @@ def test_a_killed_engine_replica_is_replaced_and_its_requests_end_cleanly(fleet)
     ray.get([e.check_memory.remote() for e in engines_of(base)], timeout=120)
 
 
+def test_a_rolling_update_under_load_loses_no_request(fleet, model_dirs):
+    """A config change replaces every replica (one engine at a time, each after its drain) while
+    clients stream: no request fails, and the fleet ends with new engines that serve."""
+    from ray import serve
+
+    base = fleet
+    old = {e._actor_id for e in engines_of(base)}
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            finish, events = stream_completion(base, {"prompt": f"{i} Once upon a time", "max_tokens": 32,
+                                                      "temperature": 0, "ignore_eos": True})
+            if finish != "length":
+                failures.append(f"{finish}: {[e['error'] for e in events if 'error' in e]}")
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in clients:
+        t.start()
+    time.sleep(2)
+    serve.run(build_app({"model_path": model_dirs["stories"], "num_engines": 2, "frontends": 2,
+                         "routing": "kv_events", "engine": {"max_running_requests": 3}}),
+              name="fleet", route_prefix="/fleet")
+    wait_for_engines(base, 2)
+    time.sleep(2)
+    stop.set()
+    for t in clients:
+        t.join(timeout=300)
+    assert not failures, failures
+    new = engines_of(base)
+    assert not old & {e._actor_id for e in new}, "an engine was not replaced"
+    ray.get([e.check_memory.remote() for e in new], timeout=120)
+
+
 @pytest.fixture(scope="module")
 def autoscaled(serve_base, model_dirs):
     from ray import serve
@@ -150,7 +185,7 @@ def test_burst_scales_up_and_a_steady_stream_survives_the_drain_back_down(autosc
             body = {"prompt": "Once upon a time", "temperature": 0, "ignore_eos": True, "max_tokens": max_tokens}
             finish, events = stream_completion(base, body)
             if finish != "length":
-                failures.append(f"{finish}: {events[-1:] if events else ''}")
+                failures.append(f"{finish}: {[e['error'] for e in events if 'error' in e]}")
 
     stop_burst, stop_steady = threading.Event(), threading.Event()
     burst = [threading.Thread(target=client, args=(stop_burst, 96)) for _ in range(8)]
