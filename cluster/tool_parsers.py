@@ -74,6 +74,7 @@ class ToolCallStream(ABC):
 
     def __init__(self) -> None:
         self.calls: list[_CallObject] = []  # every call object begun, in order
+        self.cut = False  # the output ended inside a call object
 
     @abstractmethod
     def feed(self, text: str) -> StreamParts: ...
@@ -107,7 +108,7 @@ class ToolParser(ABC):
             if d.id is not None:
                 calls[d.index] = [d.id, d.name, ""]
             calls[d.index][2] += d.arguments
-        if not all(c.closed for c in s.calls) or len(calls) != len(s.calls):
+        if s.cut or len(calls) != len(s.calls):
             return ParsedOutput(content=text or None, tool_calls=[])
         out = []
         for call_id, name, arguments in calls.values():
@@ -337,9 +338,10 @@ class _HermesStream(ToolCallStream):
 
     def finish(self) -> StreamParts:
         out = StreamParts()
+        self.cut = bool(self.calls) and not self.calls[-1].closed
         if self.state == "content":
             self._content(out, self.buf)
-        elif self.state == "call" and self.calls and not self.calls[-1].closed and self.calls[-1].call_id is None:
+        elif self.cut and self.calls[-1].call_id is None:
             self._content(out, self.START + self.calls.pop().text)  # cut before its name: text
         self.buf = ""
         return out
@@ -398,8 +400,11 @@ class _JsonCallsStream(ToolCallStream):
 
     def finish(self) -> StreamParts:
         out = StreamParts()
-        if self.calls and not self.calls[-1].closed and self.calls[-1].call_id is None:
-            out.content += self.calls.pop().text  # cut before its name: it was text
+        self.cut = bool(self.calls) and not self.calls[-1].closed
+        if self.cut and self.calls[-1].call_id is None:
+            text = self.calls.pop().text
+            if self.prefix is not None:  # cut before its name: it was text (the constrained array has none)
+                out.content += text
         # Between calls only separators (dropped); before the first, whatever it held back.
         out.content += self.buf.strip(self.separators + " \t\r\n") if self.state == "calls" else self.buf
         self.buf = ""

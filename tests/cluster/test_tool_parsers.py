@@ -81,6 +81,8 @@ def test_calls_whole_and_streamed(parser, text, content, expected):
     (Llama3JsonToolParser(), '{"answer": 42}'),  # JSON, but no call
     (Llama3JsonToolParser(), "  "),
     (JsonArrayToolParser(), '[{"name": "f", "arguments": {"a": "x'),
+    (JsonArrayToolParser(), '[\n{ "na'),  # cut before the name
+    (HermesToolParser(), 'Hi <tool_call>{"na'),
 ])
 def test_text_that_is_no_complete_call_is_content(parser, text):
     parsed = parser.parse(text)
