@@ -447,8 +447,8 @@ def parser_for(tool_mode: str, configured: str | None) -> ToolParser | None:
     if tool_mode != "auto":
         return None
     if configured is None:
-        raise InvalidRequestError("tool_choice 'auto' (the default with tools) needs a server started with "
-                                  f"--tool-call-parser ({' or '.join(TOOL_PARSERS)})", "tool_choice")
+        raise InvalidRequestError("tool_choice 'auto' (the default with tools) needs --tool-call-parser "
+                                  f"({' or '.join(TOOL_PARSERS)}) on the server or batch job", "tool_choice")
     if configured not in TOOL_PARSERS:
         raise InvalidRequestError(f"unknown tool_call_parser {configured!r}", "tool_choice")
     return TOOL_PARSERS[configured]()
