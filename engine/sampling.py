@@ -196,10 +196,11 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
     values already. No input makes this raise: a bad row is flagged, never sampled from.
     Constrained requests (`.grammar`, a matcher) sample only what their grammar allows: the
     bitmask is filled on the host first, so on a GPU that overlaps the forward still running.
-    When some requests kept every prompt position's logits (prompt logprobs), `logits` has
-    more rows than `reqs`: those are turned into PromptLogprobs here and the rest is sampled."""
+    Requests that need prompt logits (prompt logprobs) kept a row per position of their extend:
+    those rows become PromptLogprobs here and each request's last row is sampled (a row count
+    that does not add up is a bug, and raises)."""
     prompt: list[list[PromptLogprob] | None] = [None] * len(reqs)
-    if logits.shape[0] != len(reqs):
+    if any(getattr(r, "needs_prompt_logits", False) for r in reqs):
         logits, prompt = split_prompt_logits(logits, reqs)
     matchers = [getattr(r, "grammar", None) for r in reqs]
     grammar_mask = grammar_bitmask(matchers, logits.device)

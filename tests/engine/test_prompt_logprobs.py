@@ -75,6 +75,17 @@ def test_every_batching_mode(model_dirs, hf, options):
     eng.check_memory()
 
 
+def test_one_token_chunks(model_dirs, hf):
+    """Chunks of one token: the forward has one row per request, prompt logprobs still come."""
+    path = model_dirs["llama"]
+    eng = Engine(model_path=path, chunked_prefill_size=1)
+    ids = prompts(eng, 1, seed=4, lo=8, hi=12)[0]
+    out = eng.generate(input_ids=ids, sampling_params=WITH_PROMPT)
+    check_against_hf(hf, path, ids, out.prompt_logprobs)
+    assert out.token_ids == hf.greedy(path, ids, 16)
+    eng.check_memory()
+
+
 def test_bad_prompt_logprobs():
     for bad in (-1, 21, 1.5):
         with pytest.raises(InvalidRequestError) as e:
