@@ -6,9 +6,10 @@ resumable by id; a bad row becomes an error row and the job goes on.
 
 PATH is a JSONL or Parquet file, a folder of them (searched recursively) or a glob, on any
 filesystem pyarrow reads (local, s3://, gs://, ...). Each row: {"id": ..., "prompt": "..."} or
-{"id": ..., "messages": [...]}, with optional OpenAI-named sampling fields. DIR receives shards
-part-*.jsonl or part-*.parquet; each row is {"id", "text", "prompt_tokens", "completion_tokens",
-"cached_tokens", "finish_reason"} or {"id", "error"}. A row with no usable id is named by its
+{"id": ..., "messages": [...]}, with optional OpenAI-named sampling fields (and `tools`, `tool_choice`
+with messages, `echo` with a prompt, vLLM's `prompt_logprobs`). DIR receives shards part-*.jsonl or
+part-*.parquet; each row is {"id", "text", "prompt_tokens", "completion_tokens", "cached_tokens",
+"finish_reason"} (plus "tool_calls" and "prompt_logprobs" when asked for) or {"id", "error"}. A row with no usable id is named by its
 place: "FILE:LINE" (JSONL) or "FILE#ROW" (Parquet). Re-running with the same DIR skips every id
 already written (one job per DIR at a time: a running job does not see another's shards).
 
@@ -43,8 +44,10 @@ from ray.data.datasource import FileBasedDatasource
 
 from cluster.cli import add_cluster_flags, cluster_config
 from cluster.config import ClusterConfig
-from cluster.openai_params import OpenAISampling
+from cluster.openai_params import NamedToolChoice, OpenAISampling, OpenAITools, Tool
+from cluster.tool_parsers import TOOL_PARSERS, JsonArrayToolParser, ToolParser, parser_for
 from engine.errors import ConfigError, InvalidRequestError
+from engine.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 INPUT_EXTENSIONS = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".json.gz", ".parquet")
@@ -57,13 +60,34 @@ ROWS_PER_READ_BLOCK = 4096
 WINDOWS_PER_ENGINE = 4
 
 
-class BatchLine(OpenAISampling, kw_only=True, forbid_unknown_fields=True):
+class BatchLine(OpenAISampling, OpenAITools, kw_only=True, forbid_unknown_fields=True):
     """One input row."""
 
     id: str | int
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     model: str | None = None  # optional, as in OpenAI requests; must name the model being run
+    tools: list[Tool] | None = None  # with messages, as in chat completions
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    echo: bool = False  # with a prompt: the text starts with it
+
+    def params(self) -> SamplingParams:
+        """Its SamplingParams (tool_choice "required" or named constrains the output); raises
+        InvalidRequestError."""
+        self.validate_tools()
+        if self.tools is not None and self.messages is None:
+            raise InvalidRequestError("tools need messages", "tools")
+        if self.echo and self.prompt is None:
+            raise InvalidRequestError("echo needs a prompt", "echo")
+        return self.constrain_tools(self.sampling_params(DEFAULT_MAX_TOKENS))
+
+
+def _tool_parser(parser: str | None) -> ToolParser | None:
+    """A parser by its name in WORK_SCHEMA's tool_parser column."""
+    if parser is None:
+        return None
+    return JsonArrayToolParser() if parser == JsonArrayToolParser.name else TOOL_PARSERS[parser]()
 
 
 def served_model_name(model_path: str | None) -> str:
@@ -81,6 +105,9 @@ class ResultRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's message.tool_calls
+    # With prompt_logprobs: None, then per prompt token {token_id, logprob, rank, top_logprobs}.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class ShardReport(msgspec.Struct, kw_only=True):
@@ -137,6 +164,7 @@ class BatchOptions(msgspec.Struct, frozen=True, kw_only=True):
     rows_per_shard: int = 1000
     read_tasks: int | None = None  # concurrent read + tokenize tasks (default: max(2, engines))
     progress: bool = True
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None  # for rows with tool_choice "auto"
 
     def __post_init__(self) -> None:
         if self.output_format not in ("jsonl", "parquet"):
@@ -146,11 +174,17 @@ class BatchOptions(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(f"{name} must be >= 1")
 
 
-RESULT_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("prompt_tokens", pa.int64()),
-                           ("completion_tokens", pa.int64()), ("cached_tokens", pa.int64()),
-                           ("finish_reason", pa.string()), ("error", pa.string())])
+_TOKEN_LOGPROB = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
+RESULT_SCHEMA = pa.schema([
+    ("id", pa.string()), ("text", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+    ("cached_tokens", pa.int64()), ("finish_reason", pa.string()), ("error", pa.string()),
+    ("tool_calls", pa.list_(pa.struct([("id", pa.string()), ("type", pa.string()), ("function", pa.struct([
+        ("name", pa.string()), ("arguments", pa.string())]))]))),
+    ("prompt_logprobs", pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()),
+                                            ("rank", pa.int64()), ("top_logprobs", pa.list_(_TOKEN_LOGPROB))])))])
+# echo: the text the output starts with; tool_parser: what parses its tool calls (None: plain text).
 WORK_SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("params", pa.binary()),
-                         ("error", pa.string())])
+                         ("error", pa.string()), ("echo", pa.string()), ("tool_parser", pa.string())])
 RAW_SCHEMA = pa.schema([("src", pa.string()), ("row", pa.string())])
 
 
@@ -251,8 +285,10 @@ class PromptFiles(FileBasedDatasource):
 
 
 # ---- parsing and validation --------------------------------------------------------------------
-def parse_row(raw: str, src: str, model_name: str) -> tuple[str, BatchLine | None, str | None]:
-    """-> (id, parsed row or None, error or None). A row with no usable id is named by src."""
+def parse_row(raw: str, src: str, model_name: str,
+              tool_call_parser: str | None = None) -> tuple[str, BatchLine | None, str | None]:
+    """-> (id, parsed row or None, error or None). A row with no usable id is named by src.
+    `tool_call_parser`: the job's, for rows with tool_choice "auto"."""
     try:
         obj = json.loads(raw)
     except ValueError as e:
@@ -269,7 +305,8 @@ def parse_row(raw: str, src: str, model_name: str) -> tuple[str, BatchLine | Non
     if line.model is not None and line.model != model_name:
         return rid, None, f"model {line.model!r} does not exist (running {model_name!r})"
     try:
-        line.sampling_params(DEFAULT_MAX_TOKENS)
+        line.params()
+        parser_for(line.tool_mode, tool_call_parser)
     except InvalidRequestError as e:
         return rid, None, str(e)
     return rid, line, None
@@ -336,8 +373,10 @@ class Preprocess:
     ids already done, tokenize, and check the prompt against the context and the vocabulary.
     An instance, not a class, so Ray Data runs it in tasks; each task loads the tokenizer once."""
 
-    def __init__(self, engine_config: dict, done_ref: list, window: int, group_rows: int) -> None:
+    def __init__(self, engine_config: dict, done_ref: list, window: int, group_rows: int,
+                 tool_call_parser: str | None = None) -> None:
         self.engine_config, self.window, self.group_rows = engine_config, window, group_rows
+        self.tool_call_parser = tool_call_parser
         self.done_ref = done_ref  # [ObjectRef of the sorted digests of the ids already written]
         self._inputs: Any = None  # built in the task: a tokenizer does not travel
 
@@ -369,8 +408,8 @@ class Preprocess:
         import ray
 
         model_name = served_model_name(self.engine_config.get("model_path"))
-        parsed = [parse_row(raw, src, model_name) for src, raw in zip(batch.column("src").to_pylist(),
-                                                                       batch.column("row").to_pylist())]
+        parsed = [parse_row(raw, src, model_name, self.tool_call_parser)
+                  for src, raw in zip(batch.column("src").to_pylist(), batch.column("row").to_pylist())]
         done = ray.get(self.done_ref[0])  # a view of the object store's copy
         if len(done) and parsed:
             digests = id_digests([rid for rid, _, _ in parsed])
@@ -378,23 +417,25 @@ class Preprocess:
             parsed = [p for p, seen in zip(parsed, done[at] == digests) if not seen]
         inputs, encoder = self._processor(), msgspec.msgpack.Encoder()
         failed: list[tuple[str, str]] = []
-        work: list[tuple[list[int], str, bytes]] = []
+        work: list[tuple[list[int], str, bytes, str | None, str | None]] = []
         for rid, line, err in parsed:
             if err is None:
                 try:
-                    ids = inputs.tokenize(prompt=line.prompt, messages=line.messages)
-                    params = line.sampling_params(DEFAULT_MAX_TOKENS)
+                    ids = inputs.tokenize(prompt=line.prompt, messages=line.messages, tools=line.tool_dicts())
+                    params = line.params()
                     inputs.validate_request(len(ids), params)
-                    work.append((ids, rid, encoder.encode(params)))
+                    parser = parser_for(line.tool_mode, self.tool_call_parser)
+                    work.append((ids, rid, encoder.encode(params), line.prompt if line.echo else None,
+                                 None if parser is None else parser.name))
                     continue
                 except InvalidRequestError as e:
                     err = str(e)
             failed.append((rid, err))
         work.sort(key=lambda w: w[0])
-        return pa.table([[r for r, _ in failed] + [w[1] for w in work],
-                         [None] * len(failed) + [w[0] for w in work],
-                         [None] * len(failed) + [w[2] for w in work],
-                         [e for _, e in failed] + [None] * len(work)], schema=WORK_SCHEMA)
+        none = [None] * len(failed)
+        return pa.table([[r for r, _ in failed] + [w[1] for w in work], none + [w[0] for w in work],
+                         none + [w[2] for w in work], [e for _, e in failed] + [None] * len(work),
+                         none + [w[3] for w in work], none + [w[4] for w in work]], schema=WORK_SCHEMA)
 
 
 class Generate:
@@ -424,6 +465,7 @@ class Generate:
         loop = asyncio.get_running_loop()
         ids, errors = batch.column("id").to_pylist(), batch.column("error").to_pylist()
         prompts, params = batch.column("input_ids").to_pylist(), batch.column("params").to_pylist()
+        echoes, parsers = batch.column("echo").to_pylist(), batch.column("tool_parser").to_pylist()
         rows: list[ResultRow | None] = [None] * len(ids)
         pending: list[tuple[int, list, asyncio.Future]] = []
         for i, rid in enumerate(ids):  # in token order (Preprocess sorted them)
@@ -446,14 +488,31 @@ class Generate:
             pending.append((i, deltas, done))
         await asyncio.gather(*(done for _, _, done in pending))
         for i, deltas, _ in pending:
-            last = deltas[-1]
-            if last.error:
-                rows[i] = ResultRow(id=ids[i], error=last.error)
-            else:
-                rows[i] = ResultRow(id=ids[i], text="".join(d.text for d in deltas), prompt_tokens=last.prompt_tokens,
-                                    completion_tokens=last.completion_tokens, cached_tokens=last.cached_tokens,
-                                    finish_reason=last.finish_reason)
+            rows[i] = result_row(ids[i], deltas, prompts[i], echoes[i], _tool_parser(parsers[i]))
         return pa.Table.from_pylist([msgspec.structs.asdict(r) for r in rows], schema=RESULT_SCHEMA)
+
+
+def result_row(rid: str, deltas: list, prompt_ids: list[int], echo: str | None = None,
+               parser: ToolParser | None = None) -> ResultRow:
+    """One request's output row from its engine deltas."""
+    last = deltas[-1]
+    if last.error:
+        return ResultRow(id=rid, error=last.error)
+    text, finish, calls = "".join(d.text for d in deltas), last.finish_reason, None
+    if parser is not None:
+        parsed = parser.parse(text)
+        text = parsed.content or ""
+        if parsed.tool_calls:
+            calls = [c.as_openai() for c in parsed.tool_calls]
+            finish = "tool_calls" if finish == "stop" else finish
+    plp = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    if plp is not None:
+        plp = [None] + [{"token_id": t, "logprob": e.logprob, "rank": e.rank,
+                         "top_logprobs": [{"token_id": x, "logprob": v} for x, v in e.top_logprobs]}
+                        for t, e in zip(prompt_ids[1:], plp[1:])]
+    return ResultRow(id=rid, text=(echo or "") + text, prompt_tokens=last.prompt_tokens,
+                     completion_tokens=last.completion_tokens, cached_tokens=last.cached_tokens,
+                     finish_reason=finish, tool_calls=calls, prompt_logprobs=plp)
 
 
 class WriteShards:
@@ -535,7 +594,8 @@ def build_dataset(opts: BatchOptions, cfg: ClusterConfig, done_ref: Any) -> Any:
     ds = ray.data.read_datasource(PromptFiles(files, filesystem=filesystem), compute=tasks,
                                   override_num_blocks=min(len(files), read_tasks), **light)
     # No batch size: a whole read block per call, which lets Ray Data fuse this into the read.
-    ds = ds.map_batches(Preprocess(engine_config, [done_ref], opts.window, opts.group_rows), batch_size=None,
+    ds = ds.map_batches(Preprocess(engine_config, [done_ref], opts.window, opts.group_rows, opts.tool_call_parser),
+                        batch_size=None,
                         batch_format="pyarrow", compute=tasks, **light)
     # One block per window: the engine stage takes a block at a time, so a window is what goes
     # to one engine.
@@ -663,6 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--read-tasks", type=int, default=None,
                     help="concurrent read + tokenize tasks, each over a share of the files (default: max(2, engines))")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                    help="parse tool calls out of rows with tools and tool_choice auto (default: such rows are errors)")
     ap.set_defaults(config_fields=add_cluster_flags(ap))
     return ap
 
@@ -671,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     opts = BatchOptions(input=args.input, output=args.output, output_format=args.output_format, window=args.window,
                         group_rows=args.group_rows, rows_per_shard=args.rows_per_shard, read_tasks=args.read_tasks,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, tool_call_parser=args.tool_call_parser)
     summary = run(opts, cluster_config(args, *args.config_fields))
     print(summary.line(), flush=True)
     return 0

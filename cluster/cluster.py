@@ -86,8 +86,9 @@ def _merge(first: StreamDelta, then: StreamDelta) -> StreamDelta:
     """One delta carrying two consecutive deltas of a request."""
     logprobs = first.logprobs + then.logprobs if first.logprobs is not None and then.logprobs is not None else (
         then.logprobs if first.logprobs is None else first.logprobs)
+    prompt_logprobs = first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
     return msgspec.structs.replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
-                                   logprobs=logprobs)
+                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _error(rid: str, message: str, kind: ErrorKind, prompt_tokens: int = 0) -> StreamDelta:

@@ -3,6 +3,8 @@ the batch job's input lines both extend this struct)."""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import msgspec
@@ -61,6 +63,7 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     ebnf: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprob, rank and top-k of each prompt token
 
     def sampling_params(self, default_max_tokens: int, max_tokens: int | None = None, logprobs: bool = False,
                         top_logprobs: int = 0) -> SamplingParams:
@@ -80,4 +83,135 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
             top_logprobs=top_logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
             min_tokens=self.min_tokens,
             json_schema=self.response_format.schema_text() if self.response_format is not None else None,
-            regex=self.regex, ebnf=self.ebnf)
+            regex=self.regex, ebnf=self.ebnf, prompt_logprobs=self.prompt_logprobs)
+
+
+# ---- tool calling ----------------------------------------------------------------------------
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+class ToolFunction(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str
+    function: ToolFunction
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    function: ToolChoiceFunction
+
+
+class OpenAITools:
+    """The methods of `tools` and `tool_choice` on a chat request (the HTTP body, /tokenize, the
+    batch job's lines). A mixin (msgspec structs take one base with fields): each struct declares
+
+        tools: list[Tool] | None = None
+        tool_choice: str | NamedToolChoice | None = None
+        parallel_tool_calls: bool = True
+
+    With "required" or a named function the output is constrained to the JSON array of calls
+    `[{"name": ..., "arguments": {...}}, ...]` (one call when named or parallel_tool_calls is
+    false) whose arguments match each tool's parameters schema; the server turns that array into
+    tool_calls (cluster.tool_parsers.JsonArrayToolParser), whatever parser serves "auto"."""
+
+    __slots__ = ()
+    tools: list[Tool] | None
+    tool_choice: str | NamedToolChoice | None
+    parallel_tool_calls: bool
+
+    def validate_tools(self) -> None:
+        """Raises InvalidRequestError naming `tools` or `tool_choice`."""
+        if self.tools is not None:
+            if not self.tools:
+                raise InvalidRequestError("tools must not be empty (leave it out instead)", "tools")
+            seen: set[str] = set()
+            for i, tool in enumerate(self.tools):
+                if tool.type != "function":
+                    raise InvalidRequestError(f"tools[{i}].type must be 'function', got {tool.type!r}", "tools")
+                name = tool.function.name
+                if not TOOL_NAME.fullmatch(name):
+                    raise InvalidRequestError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-', "
+                                              f"got {name!r}", "tools")
+                if name in seen:
+                    raise InvalidRequestError(f"tools[{i}]: a second function named {name!r}", "tools")
+                seen.add(name)
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in TOOL_CHOICES:
+            raise InvalidRequestError(f"tool_choice must be one of {list(TOOL_CHOICES)} or a named function, "
+                                      f"got {choice!r}", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            if choice.type != "function":
+                raise InvalidRequestError(f"tool_choice.type must be 'function', got {choice.type!r}", "tool_choice")
+            if not any(t.function.name == choice.function.name for t in self.tools or ()):
+                raise InvalidRequestError(f"tool_choice names function {choice.function.name!r}, which is not "
+                                          "among the tools", "tool_choice")
+        if choice is not None and choice != "none" and self.tools is None:
+            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named" (tool_choice's default: "auto" with tools)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template gets them (OpenAI's shape), None without tools."""
+        return None if self.tools is None else [msgspec.to_builtins(t) for t in self.tools]
+
+    def tool_schema(self) -> str | None:
+        """The JSON schema the output must match for "required" or a named function, else None."""
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return None
+        tools = [t for t in self.tools or () if mode == "required" or t.function.name == self.tool_choice.function.name]
+        calls = [{"type": "object", "properties": {
+            "name": {"const": t.function.name},
+            # Left out, a function takes no arguments (OpenAI): an empty object.
+            "arguments": t.function.parameters if t.function.parameters is not None else {
+                "type": "object", "properties": {}, "additionalProperties": False}},
+            "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+                                  "minItems": 1}
+        if mode == "named" or not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return json.dumps(schema)
+
+    def constrain_tools(self, params: SamplingParams) -> SamplingParams:
+        """params with the tool-call constraint of "required" or a named function, if any."""
+        schema = self.tool_schema()
+        if schema is None:
+            return params
+        if params.constraint is not None:
+            raise InvalidRequestError(f"tool_choice {self.tool_mode!r} cannot be combined with response_format, "
+                                      "regex or ebnf", "tool_choice")
+        return msgspec.structs.replace(params, json_schema=schema)
+
+
+def message_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as chat templates expect them: arguments as an object
+    (templates write `arguments | tojson`), as vLLM and transformers pass them."""
+    out = []
+    for call in calls:
+        fn = dict(call.get("function") or {})
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                fn["arguments"] = parsed
+        out.append({**call, "function": fn})
+    return out

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -25,8 +25,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import Cluster, ClusterConfig
 from cluster.config import ENGINE_OWN_FIELDS
+from cluster.tool_parsers import JsonArrayToolParser, parser_for
 from deploy.engines import Fleet, FleetOptions, engine_deployment, gang_size
 from deploy.metrics import ServerMetrics
+from deploy.outputs import RequestOutput
 from deploy.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +54,9 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     served_model_name: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = 256
+    # How tool calls are parsed out of chat outputs for tool_choice "auto" (cluster.tool_parsers:
+    # the same names as TOOL_PARSERS); None: "auto" with tools is refused.
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
 
 
 class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -367,7 +372,11 @@ class OpenAIServer:
             return self._rejected(rid, req)
         try:
             params = req.sampling(self.http.default_max_tokens)
-            inputs = [self.cluster.inputs.tokenize(**p) for p in req.prompts()]
+            parser = parser_for(req.tool_mode, self.http.tool_call_parser) if chat else None
+            prompts = req.prompts()
+            inputs = [self.cluster.inputs.tokenize(**p) for p in prompts]
+            if isinstance(parser, JsonArrayToolParser):
+                self._compile_tool_schema(params)
             for ids in inputs:
                 self.cluster.inputs.validate_request(len(ids), params)
         except InvalidRequestError as e:
@@ -377,12 +386,40 @@ class OpenAIServer:
         if (busy := self._no_engine()) is not None:
             return self._rejected(rid, busy)
         obj = "chat.completion" if chat else "text_completion"
+        echo = not chat and req.echo
+        out = RequestOutput(self._token_str, chat, req.n, [
+            (ids, self._echo_text(p, ids, params) if echo else "") for p, ids in zip(prompts, inputs)],
+            parser=parser, echo=echo, echo_logprobs=req.logprobs if echo else None,
+            prompt_logprobs=req.prompt_logprobs)
         # n choices per prompt (index = prompt * n + j), each with its own seed stream; they share
-        # the prompt's prefill through the radix cache.
-        choices = [(ids, params if j == 0 or params.seed is None
-                     else msgspec.structs.replace(params, seed=(params.seed + j) % (1 << 64)))
+        # the prompt's prefill through the radix cache, so only the first computes prompt logprobs
+        # (streamed, each its own: a choice's first chunk may come before the first choice's).
+        choices = [(ids, self._choice_params(params, j, share_prompt_logprobs=not req.stream))
                    for ids in inputs for j in range(req.n)]
-        return await self._respond(request, req, rid, obj, choices, chat=chat)
+        return await self._respond(request, req, rid, obj, choices, out)
+
+    @staticmethod
+    def _choice_params(params: SamplingParams, j: int, share_prompt_logprobs: bool) -> SamplingParams:
+        """The sampling of the j-th choice of a prompt."""
+        if j == 0:
+            return params
+        changes: dict[str, Any] = {}
+        if params.seed is not None:
+            changes["seed"] = (params.seed + j) % (1 << 64)
+        if share_prompt_logprobs and params.prompt_logprobs is not None:
+            changes["prompt_logprobs"] = None
+        return msgspec.structs.replace(params, **changes) if changes else params
+
+    def _compile_tool_schema(self, params: SamplingParams) -> None:
+        """A tool whose parameters schema does not compile is the `tools` parameter's fault."""
+        try:
+            self.cluster.inputs.compile_grammar(params)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"a tool's parameters schema does not compile: {e.message}", "tools") from None
+
+    def _echo_text(self, prompt: dict[str, Any], ids: list[int], params: SamplingParams) -> str:
+        text = prompt.get("prompt")
+        return text if isinstance(text, str) else self.cluster.tokenizer.decode(ids, params.skip_special_tokens)
 
     def _rejected(self, rid: str, response: JSONResponse) -> JSONResponse:
         self.metrics.requests["invalid" if response.status_code < 500 else "error"] += 1
@@ -391,25 +428,10 @@ class OpenAIServer:
         return response
 
     # ---- responses ---------------------------------------------------------------------------
-    def _logprobs(self, deltas: list[StreamDelta], chat: bool) -> dict | None:
-        lps = [lp for d in deltas for lp in (d.logprobs or [])]
-        if not any(d.logprobs is not None for d in deltas):
-            return None
-        if chat:
-            return {"content": [{
-                "token": self._token_str(lp.token_id), "logprob": lp.logprob,
-                "bytes": list(self._token_str(lp.token_id).encode()),
-                "top_logprobs": [{"token": self._token_str(t), "logprob": v, "bytes": list(self._token_str(t).encode())}
-                                 for t, v in lp.top_logprobs]} for lp in lps]}
-        return {"tokens": [self._token_str(lp.token_id) for lp in lps],
-                "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token_str(t): v for t, v in lp.top_logprobs} for lp in lps],
-                "text_offset": []}
-
     async def _respond(self, request: Request, req, rid: str, obj: str,
-                       choices: list[tuple[list[int], SamplingParams]], chat: bool) -> Response:
+                       choices: list[tuple[list[int], SamplingParams]], out: RequestOutput) -> Response:
         if req.stream:
-            return ClosingStreamingResponse(self._sse(request, req, rid, choices, chat),
+            return ClosingStreamingResponse(self._sse(request, req, rid, choices, out),
                                      media_type="text/event-stream")
         t0 = time.monotonic()
         per_choice: list[list[StreamDelta]] = [[] for _ in choices]
@@ -431,26 +453,22 @@ class OpenAIServer:
         failed = next((f for f in finals if f.error), None)
         if failed is not None:
             return delta_error_response(failed)
-        out = []
-        for i, deltas in enumerate(per_choice):
-            text = "".join(d.text for d in deltas)
-            choice: dict[str, Any] = {"index": i, "finish_reason": deltas[-1].finish_reason,
-                                      "logprobs": self._logprobs(deltas, chat)}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            out.append(choice)
-        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
-                             "choices": out, "usage": self._usage(finals, req.n)})
+        body = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+                "choices": [out.choice(i, deltas, per_choice) for i, deltas in enumerate(per_choice)],
+                "usage": self._usage(finals, req.n)}
+        if (plp := out.chat_prompt_logprobs(per_choice)) is not None:
+            body["prompt_logprobs"] = plp
+        return JSONResponse(body)
 
     async def _sse(self, request: Request, req, rid: str, choices: list[tuple[list[int], SamplingParams]],
-                   chat: bool) -> AsyncIterator[bytes]:
+                   out: RequestOutput) -> AsyncIterator[bytes]:
+        chat = out.chat
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         t0 = time.monotonic()
         last_token_at: dict[int, float] = {}
         per_choice: list[list[StreamDelta]] = [[] for _ in choices]
+        streams = [out.stream(i) for i in range(len(choices))]
 
         def chunk(parts: list[dict], usage: dict | None = None) -> bytes:
             body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": parts}
@@ -487,22 +505,18 @@ class OpenAIServer:
                         finish = {"index": i, "logprobs": None, "finish_reason": d.finish_reason}
                         yield chunk([{**finish, "delta": {}} if chat else {**finish, "text": ""}])
                         continue
-                    if not d.text and d.finish_reason is None:
-                        # Tokens with no visible text send nothing; an SSE comment now and then keeps the
-                        # connection written to, which is how a client disconnect gets noticed (then the
-                        # request is aborted). Clients ignore comment lines.
+                    parts = streams[i].parts(d)
+                    if not parts:
+                        # Tokens with no text to send yet send nothing; an SSE comment now and then keeps
+                        # the connection written to, which is how a client disconnect gets noticed (then
+                        # the request is aborted). Clients ignore comment lines.
                         if now - last_write > SSE_KEEPALIVE_S:
                             last_write = now
                             yield b": keep-alive\n\n"
                         continue
                     last_write = now
-                    lp = self._logprobs([d], chat)
-                    if chat:
-                        c = {"index": i, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                             "finish_reason": d.finish_reason}
-                    else:
-                        c = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-                    yield chunk([c])
+                    for part in parts:
+                        yield chunk([part])
             completed = True
         except ClientDisconnected:
             return  # the client is gone: nothing more to write

@@ -7,7 +7,13 @@ from typing import Any
 
 import msgspec
 
-from cluster.openai_params import OpenAISampling
+from cluster.openai_params import (
+    NamedToolChoice,
+    OpenAISampling,
+    OpenAITools,
+    Tool,
+    message_tool_calls,
+)
 from engine import InvalidRequestError, SamplingParams
 
 
@@ -35,6 +41,9 @@ class _Common(OpenAISampling, kw_only=True):
 
     def validate(self) -> None:
         """Checks msgspec's types cannot express; raises InvalidRequestError."""
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs are not available when streaming (as in vLLM)",
+                                      "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -51,10 +60,11 @@ class CompletionRequest(_Common, kw_only=True):
     echo: bool = False
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", "echo")
         n = self.logprobs or 0
-        return self.to_sampling(self.max_tokens, self.logprobs is not None, n, default_max_tokens)
+        params = self.to_sampling(self.max_tokens, self.logprobs is not None, n, default_max_tokens)
+        if self.echo and self.logprobs is not None:  # the echoed prompt comes with its logprobs
+            params = msgspec.structs.replace(params, prompt_logprobs=max(n, self.prompt_logprobs or 0))
+        return params
 
     def prompts(self) -> list[dict[str, Any]]:
         """One dict of Engine-style input per choice."""
@@ -78,18 +88,42 @@ class ContentPart(msgspec.Struct):
 
 
 # "developer" is OpenAI's newer name for "system"; templates know only the latter.
-CHAT_ROLES = MappingProxyType({"system": "system", "developer": "system", "user": "user", "assistant": "assistant"})
+CHAT_ROLES = MappingProxyType({"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+                               "tool": "tool"})
 
 
-class ChatMessage(msgspec.Struct):
+class MessageFunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """A call an assistant message made (an earlier turn, sent back by the client)."""
+
+    id: str
+    type: str = "function"
+    function: MessageFunctionCall
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def validate(self, i: int) -> None:
         if self.role not in CHAT_ROLES:
             raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {self.role!r}",
                                       "messages")
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise InvalidRequestError(f"messages[{i}]: only assistant messages have tool_calls", "messages")
+            for j, call in enumerate(self.tool_calls):
+                if call.type != "function":
+                    raise InvalidRequestError(f"messages[{i}].tool_calls[{j}].type must be 'function'", "messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidRequestError(f"messages[{i}]: a tool message needs tool_call_id", "messages")
         content = self.content
         if content is None:
             if self.role != "assistant":
@@ -105,54 +139,72 @@ class ChatMessage(msgspec.Struct):
                     raise InvalidRequestError(f"messages[{i}].content[{j}] has no 'text'", "messages")
 
     def as_dict(self) -> dict[str, Any]:
+        """The message as chat templates get it."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text or "" for part in content)
-        return {"role": CHAT_ROLES[self.role], "content": content or ""}
+        out: dict[str, Any] = {"role": CHAT_ROLES[self.role], "content": content or ""}
+        if self.tool_calls is not None:
+            out["tool_calls"] = message_tool_calls([msgspec.to_builtins(c) for c in self.tool_calls])
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
-class ChatCompletionRequest(_Common, kw_only=True):
+class ChatCompletionRequest(_Common, OpenAITools, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def validate(self) -> None:
+        super().validate()
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
         for i, m in enumerate(self.messages):
             m.validate(i)
+        self.validate_tools()
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.to_sampling(max_tokens, self.logprobs, self.top_logprobs or 0, default_max_tokens)
+        params = self.to_sampling(max_tokens, self.logprobs, self.top_logprobs or 0, default_max_tokens)
+        return self.constrain_tools(params)
 
     def prompts(self) -> list[dict[str, Any]]:
         """The one choice's Engine-style input (the chat template is applied at tokenization)."""
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
-        return [{"messages": [m.as_dict() for m in self.messages]}]
+        return [{"messages": [m.as_dict() for m in self.messages], "tools": self.tool_dicts()}]
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """POST /tokenize (vLLM's shape): a prompt or chat messages -> token ids."""
+class TokenizeRequest(msgspec.Struct, OpenAITools, kw_only=True):
+    """POST /tokenize (vLLM's shape): a prompt or chat messages (and their tools) -> token ids."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def validate(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
         for i, m in enumerate(self.messages or []):
             m.validate(i)
+        self.validate_tools()
 
     def prompt_input(self) -> dict[str, Any]:
         if self.messages is not None:
-            return {"messages": [m.as_dict() for m in self.messages]}
-        return {"prompt": self.prompt}
+            return {"messages": [m.as_dict() for m in self.messages], "tools": self.tool_dicts()}
+        return {"prompt": self.prompt, "tools": self.tool_dicts()}
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -6,10 +6,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine, GenerateOutput, StreamDelta, TokenLogprob
 from engine.errors import ConfigError, EngineDeadError, InvalidRequestError, MemoryInvariantError
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.sampling import SamplingParams
+from engine.sampling import PromptLogprob, SamplingParams
 
 __all__ = [
     "ConfigError", "Engine", "EngineConfig", "EngineDeadError", "ForwardBatch", "ForwardMode",
-    "GenerateOutput", "InvalidRequestError", "MemoryInvariantError", "ModelConfig", "SamplingParams",
+    "GenerateOutput", "InvalidRequestError", "MemoryInvariantError", "ModelConfig", "PromptLogprob", "SamplingParams",
     "StreamDelta", "TokenLogprob",
 ]

@@ -90,9 +90,11 @@ class CacheManager:
 
     # ---- prefix matching and locks (prefill admission) -----------------------------------
     def match_prefix(self, req: Req) -> None:
-        """Match the cache, leaving at least one token to compute (its logits are needed)."""
+        """Match the cache, leaving at least one token to compute (its logits are needed). A
+        request that needs every prompt position's logits matches nothing."""
         fill = req.fill_ids
-        req.prefix_indices, req.last_node = self.tree.match_prefix(fill[:len(fill) - 1])
+        key = [] if req.needs_prompt_logits else fill[:len(fill) - 1]
+        req.prefix_indices, req.last_node = self.tree.match_prefix(key)
         req.extend_input_len = len(fill) - len(req.prefix_indices)
 
     def lock(self, req: Req) -> int:

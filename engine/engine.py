@@ -29,7 +29,7 @@ from engine.forward_batch import ForwardMode
 from engine.inputs import InputProcessor
 from engine.model_runner import ModelRunner
 from engine.req import Req
-from engine.sampling import SamplingParams
+from engine.sampling import PromptLogprob, SamplingParams
 from engine.scheduler import OverlapStep, Scheduler, StepStrategy
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -55,6 +55,8 @@ class StreamDelta(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None  # set with error
+    # With prompt_logprobs, on the first delta: None for the first prompt token, then one per token.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class GenerateOutput(msgspec.Struct):
@@ -67,6 +69,7 @@ class GenerateOutput(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -97,11 +100,12 @@ class EngineStats(msgspec.Struct, kw_only=True):
 class _Tracker:
     """Per-request output state, kept outside the scheduler."""
 
-    __slots__ = ("req", "detok", "sent_tokens", "sink", "failed")
+    __slots__ = ("req", "detok", "sent_tokens", "sink", "failed", "sent_prompt_logprobs")
 
     def __init__(self, req: Req, detok: IncrementalDetokenizer, sink: Callable[[StreamDelta], None]) -> None:
         self.req, self.detok, self.sent_tokens, self.sink = req, detok, 0, sink
         self.failed = False  # its output failed: its error went out, nothing more is sent
+        self.sent_prompt_logprobs = False
 
 
 class Engine:
@@ -266,13 +270,17 @@ class Engine:
         if req.sampling_params.logprobs:
             logprobs = [TokenLogprob(t, lp[0], lp[1]) for t, lp in zip(new, req.output_logprobs[tr.sent_tokens:])]
         tr.sent_tokens = len(req.output_ids)
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not tr.sent_prompt_logprobs and not req.needs_prompt_logits:
+            tr.sent_prompt_logprobs = True
+            prompt_logprobs = [None, *req.prompt_logprobs]
         reason = req.finished_reason
         return StreamDelta(
             rid=req.rid, text="", token_ids=new, finish_reason=reason.kind if finished else None,
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens, logprobs=logprobs,
             error=reason.message if finished and reason.kind == "abort" else None,
-            error_kind=reason.error_kind if finished else None)
+            error_kind=reason.error_kind if finished else None, prompt_logprobs=prompt_logprobs)
 
     def _send_outputs(self, outputs: list[tuple[_Tracker, StreamDelta | Exception]]) -> None:
         """Detokenize and deliver what _take_outputs took (the caller holds the emit lock)."""
@@ -451,4 +459,5 @@ def collect_output(rid: str, deltas: list[StreamDelta]) -> GenerateOutput:
     return GenerateOutput(
         rid=rid, text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
         finish_reason=last.finish_reason, prompt_tokens=last.prompt_tokens,
-        cached_tokens=last.cached_tokens, logprobs=logprobs, error=last.error, error_kind=last.error_kind)
+        cached_tokens=last.cached_tokens, logprobs=logprobs, error=last.error, error_kind=last.error_kind,
+        prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None))

@@ -131,6 +131,10 @@ class ForwardBatch:
             fb.extend_start_loc = torch.tensor(starts)
             if mode.is_target_verify():  # every position's logits: each scores the draft after it
                 fb.last_token_indices = torch.arange(acc)
+            elif any(r.needs_prompt_logits for r in batch.reqs):  # prompt logprobs: all their rows
+                fb.last_token_indices = torch.tensor([
+                    j for r, s, n in zip(batch.reqs, starts, ext)
+                    for j in (range(s, s + n) if r.needs_prompt_logits else (s + n - 1,))])
             else:
                 fb.last_token_indices = torch.tensor([s + n - 1 for s, n in zip(starts, ext)])
         return fb

@@ -62,13 +62,16 @@ class InputProcessor:
         return None if grammar is None else self.grammar_backend.matcher(grammar)
 
     def tokenize(self, prompt: str | None = None, input_ids: list[int] | None = None,
-                 messages: list[dict] | None = None) -> list[int]:
+                 messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
+        """`tools` (with messages): the tool definitions the chat template renders."""
         if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
             raise InvalidRequestError("give exactly one of prompt, input_ids or messages", "prompt")
+        if tools is not None and messages is None:
+            raise InvalidRequestError("tools need messages (a chat)", "tools")
         if messages is not None:
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise InvalidRequestError("messages must be a non-empty list of objects", "messages")
-            ids = self.tokenizer.encode_chat(messages)
+            ids = self.tokenizer.encode_chat(messages, tools)
         elif prompt is not None:
             if not isinstance(prompt, str) or not prompt:
                 raise InvalidRequestError("prompt must be a non-empty string", "prompt")

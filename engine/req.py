@@ -6,7 +6,7 @@ import torch
 
 from engine.errors import ErrorKind
 from engine.grammar import GrammarMatcher
-from engine.sampling import SamplingParams
+from engine.sampling import PromptLogprob, SamplingParams
 
 
 class FinishReason:
@@ -46,6 +46,10 @@ class Req:
         self.finished_reason: FinishReason | None = None
         self.to_abort: tuple[str, ErrorKind] | None = None  # (message, kind) once marked
         self.output_logprobs: list = []
+        # Prompt logprobs: one per prompt token after the first, appended as each prefill chunk
+        # runs (None unless asked for).
+        self.prompt_logprobs: list[PromptLogprob] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
         self.num_retractions = 0
         self.spec_state = None  # the drafter's per-request state (speculative decoding)
         # min_tokens: the ids that may not be sampled before it (EOS unless ignored, stop ids).
@@ -58,6 +62,12 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Its extends keep the logits of every position (and it matches no cached prefix, whose
+        positions would have none) until its prompt logprobs are complete."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.origin_input_ids) - 1
 
     @property
     def seqlen(self) -> int:

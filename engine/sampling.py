@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -33,6 +34,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # vLLM's prompt_logprobs: the logprob, rank and top-k of every prompt token after the first
+    # (None: off). The request then computes its whole prompt (no prefix-cache hit).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many outputs
@@ -81,6 +85,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         need(lo <= self.repetition_penalty <= hi, f"repetition_penalty must be in [{lo}, {hi}], got "
              f"{self.repetition_penalty}", "repetition_penalty")
         need(0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]", "top_logprobs")
+        need(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]",
+             "prompt_logprobs")
         need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", "stop")
         need(len(self.stop) <= 16, "at most 16 stop strings", "stop")
         need(all(len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
@@ -131,18 +137,37 @@ _FIELD_KINDS: dict[str, tuple[type, ...]] = {
     "max_new_tokens": (int,), "temperature": (int, float), "top_p": (int, float), "top_k": (int,),
     "min_p": (int, float), "seed": (int, type(None)), "frequency_penalty": (int, float),
     "presence_penalty": (int, float), "repetition_penalty": (int, float), "ignore_eos": (bool,),
-    "logprobs": (bool,), "top_logprobs": (int,), "skip_special_tokens": (bool,), "min_tokens": (int,),
+    "logprobs": (bool,), "top_logprobs": (int,), "prompt_logprobs": (int, type(None)),
+    "skip_special_tokens": (bool,), "min_tokens": (int,),
     "json_schema": (str, type(None)), "regex": (str, type(None)), "ebnf": (str, type(None)),
 }
 # Constraint field -> the request parameter that carries it (the OpenAI body's name).
 _CONSTRAINT_PARAMS = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
 
 
+class PromptLogprob(msgspec.Struct, array_like=True):
+    """One prompt token's logprob given the tokens before it (the token id is the prompt's)."""
+
+    logprob: float
+    rank: int  # 1 + the number of tokens the model found more likely
+    top_logprobs: list[tuple[int, float]]
+
+
+class RowLogprobs(NamedTuple):
+    """What the sampler reports for one request beside its token (index 0 and 1 are what
+    speculative verification reports as a plain tuple)."""
+
+    chosen: float | None  # the sampled token's logprob (None unless logprobs was asked)
+    top: list[tuple[int, float]]
+    # Prompt positions whose logits this forward kept (a chunk of the prompt, in order).
+    prompt: list[PromptLogprob] | None = None
+
+
 class SampleResult(msgspec.Struct):
     # -1 for a void row (its logits or probabilities were not finite): that request fails.
     next_token_ids: list[int]
-    # Per row, None unless the request asked: (chosen logprob, [(token, logprob), ...] top-N).
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    # Per row, None unless the request asked for logprobs or prompt logprobs.
+    logprobs: list[RowLogprobs | None]
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -170,7 +195,13 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
     caller decides when to copy them; logprobs, computed only when a request asks, are host
     values already. No input makes this raise: a bad row is flagged, never sampled from.
     Constrained requests (`.grammar`, a matcher) sample only what their grammar allows: the
-    bitmask is filled on the host first, so on a GPU that overlaps the forward still running."""
+    bitmask is filled on the host first, so on a GPU that overlaps the forward still running.
+    Requests that need prompt logits (prompt logprobs) kept a row per position of their extend:
+    those rows become PromptLogprobs here and each request's last row is sampled (a row count
+    that does not add up is a bug, and raises)."""
+    prompt: list[list[PromptLogprob] | None] = [None] * len(reqs)
+    if any(getattr(r, "needs_prompt_logits", False) for r in reqs):
+        logits, prompt = split_prompt_logits(logits, reqs)
     matchers = [getattr(r, "grammar", None) for r in reqs]
     grammar_mask = grammar_bitmask(matchers, logits.device)
     logits = logits.float()
@@ -199,7 +230,7 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
         for j, i in enumerate(random_rows):
             next_ids[i] = torch.multinomial(probs[j], 1, generator=reqs[i].generator)[0]
 
-    out: list = [None] * len(reqs)
+    out: list[RowLogprobs | None] = [None if p is None else RowLogprobs(None, [], p) for p in prompt]
     if raw_logprobs is not None:
         chosen = raw_logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1).tolist()
         for i, r in enumerate(reqs):
@@ -208,8 +239,49 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
                 if r.sampling_params.top_logprobs:
                     vals, idx = torch.topk(raw_logprobs[i], r.sampling_params.top_logprobs)
                     top = list(zip(idx.tolist(), vals.tolist()))
-                out[i] = (chosen[i], top)
+                out[i] = RowLogprobs(chosen[i], top, prompt[i])
     return next_ids, bad, out
+
+
+PROMPT_LOGPROB_ROWS = 512  # prompt positions per log-softmax: bounds the float32 temporaries
+
+
+def split_prompt_logits(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, list[list[PromptLogprob] | None]]:
+    """Rows of a forward where requests that need prompt logits (`req.needs_prompt_logits`) kept
+    one row per token of their extend, the others one: (each request's last row, to sample
+    from; each request's PromptLogprobs, None for the others). Row j of such a request is
+    position kv_len - extend_input_len + j, whose logits score the prompt token after it."""
+    counts = [r.extend_input_len if r.needs_prompt_logits else 1 for r in reqs]
+    if sum(counts) != logits.shape[0]:
+        raise RuntimeError(f"{logits.shape[0]} logit rows for a batch that needs {sum(counts)}")
+    last, prompt, at = [], [], 0
+    for r, n in zip(reqs, counts):
+        last.append(at + n - 1)
+        if r.needs_prompt_logits:
+            start = r.kv_len - n  # the first position of this extend
+            # (the row at the prompt's last position scores no prompt token: it is sampled from)
+            targets = r.origin_input_ids[start + 1:start + n + 1]
+            prompt.append(prompt_logprobs(logits[at:at + len(targets)], targets, r.sampling_params.prompt_logprobs))
+        else:
+            prompt.append(None)
+        at += n
+    return logits[torch.tensor(last, device=logits.device)], prompt
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[PromptLogprob]:
+    """Row i of `logits` scores targets[i]: its logprob, its rank, and the top k."""
+    out: list[PromptLogprob] = []
+    for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        lp = torch.log_softmax(logits[a:a + PROMPT_LOGPROB_ROWS].float(), dim=-1)
+        tgt = torch.tensor(targets[a:a + PROMPT_LOGPROB_ROWS], device=lp.device)
+        chosen = lp.gather(1, tgt.unsqueeze(1))
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in ranks]
+        if k:
+            vals, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        out += [PromptLogprob(c, r, t) for c, r, t in zip(chosen.squeeze(1).tolist(), ranks, tops)]
+    return out
 
 
 def grammar_bitmask(matchers: list, device: torch.device) -> tuple[GrammarBackend, torch.Tensor] | None:

@@ -273,7 +273,9 @@ class Scheduler:
             return False
         # A shorter prompt shares only with its exact copies (the n choices of one request).
         head = tuple(fill[:IN_BATCH_PREFIX_LEN]) if len(fill) > IN_BATCH_PREFIX_LEN else tuple(fill)
-        if head in admitted_heads:
+        # One that needs prompt logits computes its whole prompt anyway: it never waits, but the
+        # others that share its head do.
+        if head in admitted_heads and not req.needs_prompt_logits:
             return True
         admitted_heads.add(head)
         return False
@@ -400,11 +402,19 @@ class Scheduler:
                 touched += self.fail_reqs([req], "the model produced non-finite logits or "
                                                  "probabilities for this request")
                 continue
+            lp = result.logprobs[i]
+            if lp is not None and lp.prompt is not None:
+                try:
+                    self._add_prompt_logprobs(req, lp.prompt)
+                except Exception as e:
+                    touched += self.fail_reqs([req], e)
+                    continue
+                lp = lp._replace(prompt=None)
             if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
                 self.cache.cache_unfinished_req(req)
                 continue
             try:
-                self._append_token(req, result.next_token_ids[i], result.logprobs[i])
+                self._append_token(req, result.next_token_ids[i], lp)
             except Exception as e:  # one request's bug (stop checks, say) fails that request only
                 touched += self.fail_reqs([req], e)
                 continue
@@ -456,6 +466,15 @@ class Scheduler:
             touched.append(req)
         self.running_batch = self._new_batch(still_running)
         return touched
+
+    @staticmethod
+    def _add_prompt_logprobs(req: Req, chunk: list) -> None:
+        """Append one extend's prompt logprobs; they start where the request's last chunk ended."""
+        start = req.kv_len - req.extend_input_len
+        if req.prompt_logprobs is None or start != len(req.prompt_logprobs):
+            raise RuntimeError(f"prompt logprobs of positions from {start} do not follow the "
+                               f"{len(req.prompt_logprobs or [])} already computed")
+        req.prompt_logprobs.extend(chunk)
 
     def _append_token(self, req: Req, token: int, logprob: tuple | None) -> None:
         if req.grammar is not None and not req.grammar.accept(token):  # the mask should make this impossible

@@ -57,6 +57,7 @@ class Tokenizer:
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = _tojson  # transformers' version: no HTML escaping (tool schemas, arguments)
         self._template = env.from_string(template or FALLBACK_CHAT_TEMPLATE)
 
     @property
@@ -75,20 +76,28 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """`tools` (OpenAI tool objects) reach the template as `tools`, as transformers passes them."""
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         tools=tools)
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template failed: {e}", "messages") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Render and tokenize as transformers does: the template writes BOS itself if it wants one."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def _tojson(value: object, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
 class IncrementalDetokenizer:

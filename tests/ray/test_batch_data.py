@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -159,7 +160,50 @@ def test_parquet_folder_matches_cluster_generate(ray_local, model_dirs, referenc
     assert_matches(results, reference)
     assert "context" in results["too-long"]["error"]
     assert pq.read_schema(next(out.glob("part-*.parquet"))).names == [
-        "id", "text", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "error"]
+        "id", "text", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "error", "tool_calls",
+        "prompt_logprobs"]
+
+
+def test_tools_echo_and_prompt_logprobs_rows(ray_local, model_dirs, tmp_path):
+    """The chat-completions fields in input lines, through the job's stages (without Ray Data):
+    tools rendered and a required call constrained, echo, prompt_logprobs; in both output formats."""
+    import asyncio
+
+    import jsonschema
+    import ray
+
+    from cluster.batch import Generate, Preprocess, WriteShards
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": schema}}]
+    chat = [{"role": "user", "content": "Pick a number"}]
+    rows = [{"id": "call", "messages": chat, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+             "max_tokens": 200, "temperature": 0},
+            {"id": "auto", "messages": chat, "tools": tools, "max_tokens": 4, "temperature": 0},
+            {"id": "echo", "prompt": "Lily", "echo": True, "prompt_logprobs": 2, "max_tokens": 3, "temperature": 0},
+            {"id": "bad-tool", "messages": chat, "tools": tools, "tool_choice": {"type": "function",
+                                                                                  "function": {"name": "nope"}}}]
+    config = msgspec.structs.asdict(engine_config(model_dirs["llama"], 1).engine_config("cpu"))
+    raw = pa.table([[f"in:{i}" for i in range(len(rows))], [json.dumps(r) for r in rows]],
+                   names=["src", "row"])
+    work = pa.concat_tables(Preprocess(config, [ray.put(np.zeros(0, dtype="S16"))], 8, 8, "hermes")(raw))
+    results = asyncio.run(Generate(config)(work))
+    for fmt in ("jsonl", "parquet"):
+        WriteShards(str(tmp_path / fmt), fmt)(results)
+        got = read_results(tmp_path / fmt)
+        assert "nope" in got["bad-tool"]["error"]
+        call = got["call"]
+        assert call["finish_reason"] == "tool_calls" and call["text"] == "" and len(call["tool_calls"]) == 1
+        fn = call["tool_calls"][0]["function"]
+        assert fn["name"] == "pick" and call["tool_calls"][0]["id"].startswith("call_")
+        jsonschema.validate(json.loads(fn["arguments"]), schema)
+        assert "tool_calls" not in got["auto"] and got["auto"]["completion_tokens"] == 4  # parsed: no call
+        echo = got["echo"]
+        assert echo["text"].startswith("Lily") and len(echo["text"]) > 4
+        plp = echo["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == echo["prompt_tokens"]
+        assert all(e["logprob"] <= 0 and e["rank"] >= 1 and len(e["top_logprobs"]) == 2 for e in plp[1:])
 
 
 def test_inputs_globs_and_the_shard_commit(tmp_path):

@@ -106,6 +106,9 @@ def test_tokenize_detokenize_round_trip(surface):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [  # no --tool-call-parser
+        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2, "prompt_logprobs": 30}, "prompt_logprobs"),
     ("/tokenize", {}, "prompt"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
 ])
