@@ -113,6 +113,28 @@ def test_killed_member_restarts_the_expert_parallel_group(ray_local, moe_path):
         cl.check_memory()
 
 
+@pytest.mark.ray
+def test_other_expert_parallel_group_keeps_serving(ray_local, moe_path):
+    """Two groups of 2 with expert parallelism: a member of group 0 dies; group 1 answers every
+    request meanwhile, and group 0 restarts as a gang."""
+    ref = Engine(model_path=moe_path).generate(prompt="Once upon a time", sampling_params=GREEDY)
+    cfg = ClusterConfig(model_path=moe_path, num_engines=4, dp_group_size=2, routing="round_robin",
+                        dp_attention=True, request_timeout_s=120, health_check_period_s=0.5)
+    with Cluster(cfg) as cl:
+        ray.kill(cl.actors[0], no_restart=False)  # group 0 goes down...
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and cl.healthy()[0]:
+            time.sleep(0.1)
+        # ...while group 1 (engines 2 and 3, each holding half of the experts) answers.
+        outs = cl.generate(prompt=["Once upon a time"] * 4, sampling_params=GREEDY)
+        assert all(o.token_ids == ref.token_ids and o.error is None for o in outs), [o.error for o in outs]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(cl.healthy()):
+            time.sleep(0.5)
+        assert all(cl.healthy()) and cl.dp_stats()[0].restarts >= 1 and cl.dp_stats()[1].restarts == 0
+        cl.check_memory()
+
+
 def test_expert_split_needs_experts_divisible_by_group(moe_path):
     with pytest.raises(ConfigError, match=r"num_experts \(8\) divisible by the DP group size \(3\)"):
         ClusterConfig(model_path=moe_path, num_engines=3, dp_attention=True)
