@@ -240,14 +240,16 @@ class EngineServer:
         self.info = encode(info)
         self._state: str | None = None
         self._stop = threading.Event()
-        await fleet.renew.remote(self.key, self.engine, self.info)
+        if not await fleet.renew.remote(self.key, self.engine, self.info):  # a long start outlived the lease
+            await fleet.register.remote(self.key, self.engine_id)
+            await fleet.renew.remote(self.key, self.engine, self.info)
         threading.Thread(target=self._renew_lease, name="radixray-lease", daemon=True).start()
 
     def _renew_lease(self) -> None:
         while not self._stop.wait(RENEW_PERIOD_S):
             try:
                 known = self.fleet.renew.remote(self.key, state=self._state).result(timeout_s=10)
-                if not known:  # the registry was replaced: register again
+                if not known:  # the registry was replaced (or forgot us): register again
                     self.fleet.register.remote(self.key, self.engine_id).result(timeout_s=10)
                     self.fleet.renew.remote(self.key, self.engine, self.info, self._state).result(timeout_s=10)
             except Exception as e:  # the registry is restarting: the lease outlives a few misses
