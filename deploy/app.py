@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import Cluster, ClusterConfig
 from cluster.config import ENGINE_OWN_FIELDS
 from cluster.tool_parsers import JsonArrayToolParser, parser_for
-from deploy.engines import Fleet, FleetOptions, engine_deployment, gang_size
+from deploy.engines import Fleet, FleetOptions, engine_deployment, frontend_options, gang_size
 from deploy.metrics import ServerMetrics
 from deploy.outputs import RequestOutput
 from deploy.protocol import (
@@ -43,7 +43,7 @@ from engine.logs import log_to_stderr
 log = logging.getLogger("radixray.http")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-FLEET_SIZE_FIELDS = ("num_engines", "frontends", "min_engines", "max_engines")
+FLEET_SIZE_FIELDS = ("num_engines", "frontends", "max_frontends", "min_engines", "max_engines")
 SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
 
 
@@ -545,4 +545,4 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     engines = engine_deployment(parsed.cluster, parsed.fleet).bind(args, fleet)
     # The front end holds no handle to the engines' deployment, only to the registry; binding it
     # makes Serve deploy the engines as part of this application.
-    return OpenAIServer.options(num_replicas=parsed.fleet.frontends).bind(args, fleet, engines)
+    return OpenAIServer.options(**frontend_options(parsed.fleet)).bind(args, fleet, engines)

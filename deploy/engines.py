@@ -46,6 +46,9 @@ class FleetOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_engines; or autoscaled between min_engines and max_engines) and how engines leave."""
 
     frontends: int = 1
+    # Set: the front ends autoscale between `frontends` and this on ongoing HTTP requests.
+    max_frontends: int | None = None
+    target_requests_per_frontend: float = 64.0
     min_engines: int | None = None
     max_engines: int | None = None
     # Autoscaling signals: scale up while an engine's waiting requests or KV use exceed these.
@@ -63,6 +66,8 @@ class FleetOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
         if self.frontends < 1:
             raise ConfigError("frontends must be >= 1")
+        if self.max_frontends is not None and self.max_frontends < self.frontends:
+            raise ConfigError("max_frontends must be >= frontends")
         if (self.min_engines is None) != (self.max_engines is None):
             raise ConfigError("set min_engines and max_engines together (or neither: num_engines)")
         if self.min_engines is not None and not 1 <= self.min_engines <= self.max_engines:
@@ -327,6 +332,14 @@ class EngineAutoscaler:
             desired = max(math.ceil(need), n - self.gang) if need < n - self.gang else n
         desired = self.gang * math.ceil(desired / self.gang)
         return max(ctx.capacity_adjusted_min_replicas, min(desired, ctx.capacity_adjusted_max_replicas)), {}
+
+
+def frontend_options(options: FleetOptions) -> dict[str, Any]:
+    """The front-end deployment's replica count: fixed, or autoscaled on ongoing requests."""
+    if options.max_frontends is None:
+        return {"num_replicas": options.frontends}
+    return {"autoscaling_config": {"min_replicas": options.frontends, "max_replicas": options.max_frontends,
+                                   "target_ongoing_requests": options.target_requests_per_frontend}}
 
 
 def gang_size(cluster: Any) -> int:
