@@ -52,8 +52,8 @@ ACTOR_NAMESPACE = "radixray"
 _ENGINE_DIED = object()  # queued to a request whose engine's output stream broke
 _TIMED_OUT = object()  # queued to a request when its deadline passes
 _FLUSH = object()  # queued to a request when its held tokens are due (the stream interval)
-ABORT_CONFIRM_TIMEOUT_S = 10.0
-FLEET_GRACE_S = 15.0  # how long a replaced registry may not list a live engine (lease renewals)  # an abort not acknowledged by then is sent again
+ABORT_CONFIRM_TIMEOUT_S = 10.0  # an abort not acknowledged by then is sent again
+FLEET_GRACE_S = 15.0  # how long a replaced registry may not list a live engine (lease renewals)
 
 
 def ensure_ray(address: str | None = None, log_to_driver: bool = False) -> bool:
