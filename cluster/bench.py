@@ -5,12 +5,13 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
   routing   multi-tenant shared prefixes (8 x 512-token prefixes, 64 requests), engines whose KV
             holds about half of the prefixes: cache_aware vs round_robin (total tokens/s, hit rates).
   churn     routing under KV churn: 16 tenants' 384-token prefixes (Zipf popularity), 96 requests,
-            8 in flight, engines whose KV holds about 3 prefixes each, so they keep evicting:
-            kv_events (exact, from the engines' KV events) vs cache_aware (approximate tree) vs
-            round_robin: the engines' actual hit rate, throughput, TTFT p50/p90.
-            Also Ray Serve's PrefixCacheAffinityRouter, routing the same requests over the same
-            engines deployed as Serve replicas (EngineServer's per-request handle path; the router
-            matches prefixes on a text with one character per token).
+            16 in flight, 2 engines deployed as Serve replicas whose KV holds about 3 prefixes
+            each, so they keep evicting; the requests are dealt to 2 front ends (Clusters following
+            the fleet, as the HTTP app's replicas do): kv_events (exact, from the engines' KV
+            events) vs cache_aware (each front end's approximate tree) vs round_robin, and Ray
+            Serve's PrefixCacheAffinityRouter over the same engines (EngineServer's per-request
+            handle path; it matches prefixes on a text with one character per token): the
+            engines' actual hit rate, throughput, TTFT p50/p90.
   http      the same requests streamed through Ray Serve's HTTP app vs the Cluster in Python:
             throughput and time to first visible text (median, p99).
   frontend  stories260K (or the bench model without ../shared), one engine, 32 streams x 256 tokens,
@@ -43,6 +44,7 @@ import os
 import random
 import statistics
 import time
+from typing import Any
 
 import ray
 
@@ -131,31 +133,10 @@ def case_churn(path: str, scale: float) -> None:
     prompts, outs = churn_workload(scale)
     pool = int(len(prompts[0]) * 3.5)
     total = sum(len(p) for p in prompts) + sum(outs)
-    in_flight = 16
+    in_flight, frontends = 16, 2
     results = {}
-
-    async def stream_all(cl: Cluster) -> tuple[float, list[float]]:
-        gate = asyncio.Semaphore(in_flight)
-
-        async def one(ids: list[int], n: int) -> float:
-            async with gate:
-                t0, first = time.perf_counter(), None
-                params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-                async for d in cl.stream_ids(ids, params):
-                    if first is None and d.token_ids:
-                        first = time.perf_counter() - t0
-                return first
-
-        t0 = time.perf_counter()
-        ttfts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outs)))
-        return time.perf_counter() - t0, list(ttfts)
-
     for policy in ("kv_events", "cache_aware", "round_robin"):
-        with Cluster(engine_cfg(path, 2, policy, max_total_tokens=pool)) as cl:
-            dt, ttfts = cl.run(stream_all(cl))
-            engines = [e.engine for e in cl.stats().engines]
-            cl.check_memory()
-        hit = sum(e.cached_tokens for e in engines) / max(sum(e.prompt_tokens for e in engines), 1)
+        dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, frontends)
         results[policy] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
     dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight,
                                        "ray.serve.llm.request_router:PrefixCacheAffinityRouter")
@@ -164,9 +145,81 @@ def case_churn(path: str, scale: float) -> None:
                      for p, r in results.items())
     exact = results["kv_events"]
     best = min((results["cache_aware"], results["serve_prefix_affinity"]), key=lambda r: r[3])
-    print(f"churn      {line}  |  hit kv_events - cache_aware = {100 * (exact[1] - results['cache_aware'][1]):+.0f} "
-          f"points, - serve_prefix_affinity = {100 * (exact[1] - results['serve_prefix_affinity'][1]):+.0f} points "
-          f"(floor +10)  ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)", flush=True)
+    print(f"churn      {frontends} front ends: {line}  |  hit kv_events - cache_aware = "
+          f"{100 * (exact[1] - results['cache_aware'][1]):+.0f} points, - serve_prefix_affinity = "
+          f"{100 * (exact[1] - results['serve_prefix_affinity'][1]):+.0f} points (floor +10)  "
+          f"ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)", flush=True)
+
+
+def _deploy_engines(path: str, pool: int, app: str, router_class: str | None = None) -> tuple[Any, list]:
+    """Two EngineServer replicas (engines as in engine_cfg) and their Fleet, as Serve deploys
+    them for the HTTP app: the Fleet handle and the engine actors."""
+    from ray import serve
+
+    from deploy.engines import Fleet, FleetOptions, engine_deployment
+
+    _serve_base()
+    args = {"model_path": path, "num_engines": 1, "device": "cpu", "cpus_per_engine": 1,
+            "torch_threads_per_engine": 1, "engine": {"max_total_tokens": pool}}
+    dep = engine_deployment(engine_cfg(path, 2, "round_robin", max_total_tokens=pool), FleetOptions())
+    if router_class is not None:
+        dep = dep.options(request_router_config={"request_router_class": router_class})
+    serve.run(dep.bind(args, Fleet.bind()), name=app, route_prefix=None)
+    fleet = serve.get_deployment_handle("Fleet", app)
+    version, members = None, []
+    while len(members) < 2:
+        version, members = fleet.watch.remote(version).result()
+    return fleet, [m[2] for m in members]
+
+
+def _engine_hit_rate(engines: list) -> float:
+    """The engines' actual prefix hit rate (their caches' own counts); checks their memory too."""
+    stats = [s.engine for s in ray.get([e.stats.remote() for e in engines])]
+    ray.get([e.check_memory.remote() for e in engines])
+    return sum(e.cached_tokens for e in stats) / max(sum(e.prompt_tokens for e in stats), 1)
+
+
+def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], in_flight: int, policy: str,
+               frontends: int) -> tuple[float, list[float], float]:
+    """The workload through `frontends` front ends (Clusters following one engine fleet, as the
+    HTTP app's replicas do), requests dealt to them in turn: wall time, TTFTs, the engines'
+    actual hit rate."""
+    from ray import serve
+
+    fleet, engines = _deploy_engines(path, pool, "bench-fleet")
+    cfg = ClusterConfig(model_path=path, routing=policy, stream_interval_s=0.0)
+    fronts = [Cluster(cfg, fleet=fleet) for _ in range(frontends)]
+    try:
+        for cl in fronts:
+            while len(cl.healthy()) < 2:
+                time.sleep(0.1)
+
+        async def part(cl: Cluster, share: list[tuple[list[int], int]]) -> list[float]:
+            gate = asyncio.Semaphore(max(1, in_flight // frontends))
+
+            async def one(ids: list[int], n: int) -> float:
+                async with gate:
+                    t0, first = time.perf_counter(), None
+                    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+                    async for d in cl.stream_ids(ids, params):
+                        if first is None and d.token_ids:
+                            first = time.perf_counter() - t0
+                    return first
+
+            return list(await asyncio.gather(*(one(ids, n) for ids, n in share)))
+
+        work = list(zip(prompts, outs))
+        t0 = time.perf_counter()
+        futures = [asyncio.run_coroutine_threadsafe(part(cl, work[i::frontends]), cl._loop)
+                   for i, cl in enumerate(fronts)]
+        ttfts = [t for f in futures for t in f.result()]
+        dt = time.perf_counter() - t0
+        hit = _engine_hit_rate(engines)
+    finally:
+        for cl in fronts:
+            cl.shutdown()
+        serve.delete("bench-fleet")
+    return dt, ttfts, hit
 
 
 @functools.cache
@@ -186,15 +239,9 @@ def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list
     from ray import serve
 
     from actors.protocol import decode_delta
-    from cluster.cluster import ACTOR_NAMESPACE
-    from deploy.engines import Fleet, FleetOptions, GenerateCall, engine_deployment
+    from deploy.engines import GenerateCall
 
-    _serve_base()
-    cfg = engine_cfg(path, 2, "round_robin", max_total_tokens=pool)
-    args = {"model_path": path, "num_engines": 1, "device": "cpu", "cpus_per_engine": 1,
-            "torch_threads_per_engine": 1, "engine": {"max_total_tokens": pool}}
-    dep = engine_deployment(cfg, FleetOptions()).options(request_router_config={"request_router_class": router_class})
-    serve.run(dep.bind(args, Fleet.bind()), name="bench-router", route_prefix=None)
+    _, engines = _deploy_engines(path, pool, "bench-router", router_class)
     handle = serve.get_deployment_handle("EngineServer", "bench-router")
 
     async def run() -> tuple[float, list[float]]:
@@ -218,11 +265,8 @@ def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list
         return time.perf_counter() - t0, list(ttfts)
 
     dt, ttfts = asyncio.run(run())
-    engines = [ray.get_actor(f"radixray-bench-router-engine-{i}", namespace=ACTOR_NAMESPACE) for i in range(2)]
-    stats = [s.engine for s in ray.get([e.stats.remote() for e in engines])]
-    ray.get([e.check_memory.remote() for e in engines])
+    hit = _engine_hit_rate(engines)
     serve.delete("bench-router")
-    hit = sum(e.cached_tokens for e in stats) / max(sum(e.prompt_tokens for e in stats), 1)
     return dt, ttfts, hit
 
 
