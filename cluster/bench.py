@@ -138,8 +138,9 @@ def case_churn(path: str, scale: float) -> None:
     for policy in ("kv_events", "cache_aware", "round_robin"):
         dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, frontends)
         results[policy] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
-    dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight,
-                                       "ray.serve.llm.request_router:PrefixCacheAffinityRouter")
+    # Imported from where it lives: its public alias, ray.serve.llm, needs vLLM or SGLang installed.
+    router = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
+    dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight, router)
     results["serve_prefix_affinity"] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
     line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
                      for p, r in results.items())
