@@ -10,17 +10,21 @@ filesystem pyarrow reads (local, s3://, gs://, ...). Each row: {"id": ..., "prom
 with messages, `echo` with a prompt, vLLM's `prompt_logprobs`). DIR receives shards part-*.jsonl or
 part-*.parquet; each row is {"id", "text", "prompt_tokens", "completion_tokens", "cached_tokens",
 "finish_reason"} (plus "tool_calls" and "prompt_logprobs" when asked for) or {"id", "error"}. A row with no usable id is named by its
-place: "FILE:LINE" (JSONL) or "FILE#ROW" (Parquet). Re-running with the same DIR skips every id
-already written (one job per DIR at a time: a running job does not see another's shards).
+place: "FILE:LINE" (JSONL) or "FILE#ROW" (Parquet). Ids must be unique: the first row read with an
+id is run and each later one becomes an error row named by its place. Re-running with the same DIR
+skips every id already written (one job per DIR at a time: a running job does not see another's
+shards).
 
 The pipeline (Ray Data, streaming, so memory stays bounded whatever the input size):
   read + Preprocess   tasks, each over a share of the files: parse, check the fields, drop ids
-                      already written, tokenize, check the context; sort spans of --group-rows
-                      rows by token ids and cut them into windows of --window rows
+                      already written, claim each id (SeenIds: a later row with it is an error),
+                      tokenize, check the context; sort spans of --group-rows rows by token ids
+                      and cut them into windows of --window rows
   Generate            one actor per engine, hosting an engine.Engine; a window goes to one
                       engine, so rows that share a prefix meet in its radix cache
   WriteShards         an actor; a shard is written under a hidden temporary name and renamed
-                      into place, so only complete shards ever have a final name
+                      into place (on object stores, uploaded under its final name: an upload is
+                      visible only once complete), so only complete shards ever have a final name
 The driver sees one small report per shard: progress (rows/s, tokens/s) and the summary."""
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ DEFAULT_MAX_TOKENS = 256
 INPUT_EXTENSIONS = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 SHARD_PREFIX = "part-"
 TMP_SUFFIX = ".tmp"
+# pyarrow filesystems (type_name) where an object appears only once its upload completes (S3's
+# PutObject / CompleteMultipartUpload, GCS's finalized upload) and a rename is a copy and a delete:
+# shards are uploaded under their final names there.
+ATOMIC_UPLOAD_FILESYSTEMS = frozenset({"s3", "gcs"})
 READ_CHUNK_BYTES = 1 << 20
 ROWS_PER_READ_BLOCK = 4096
 # Windows an engine holds at once: enough queued that its batch stays full while one window's
@@ -368,17 +376,81 @@ def _remove_stale_temporaries(output: str) -> None:
             filesystem.delete_file(info.path)
 
 
+def place_digests(places: list[str]) -> np.ndarray:
+    """8-byte digests of rows' places ("FILE:LINE", "FILE#ROW"): who claimed an id in SeenIds."""
+    return np.array([hashlib.blake2b(p.encode(), digest_size=8).digest() for p in places], dtype="S8")
+
+
+class SeenIds:
+    """The ids this run has read, so that each is run once: the first row read with an id claims
+    it, and a later row with it is refused. One actor for the job (Preprocess tasks read in
+    parallel, so no task alone sees every id).
+
+    Memory: 24 bytes a distinct id (its 16-byte digest and the 8-byte digest of the claiming
+    row's place), in sorted runs, each at least twice the size of the next (so about log2(n) runs
+    to search), merged as they fill; the largest merge holds its run twice for a moment. 10 million
+    ids: 240 MB in this actor, none of it in the driver. The place makes a claim idempotent: a read
+    task that Ray retries reads its rows again, and their claims still hold."""
+
+    def __init__(self) -> None:
+        self._ids: list[np.ndarray] = []  # sorted S16 digests, largest run first
+        self._owners: list[np.ndarray] = []  # S8 place digests, aligned with _ids
+
+    def __len__(self) -> int:
+        return sum(len(run) for run in self._ids)
+
+    def claim(self, ids: np.ndarray, places: np.ndarray) -> np.ndarray:
+        """ids: S16 digests, places: S8 digests, one of each a row, in reading order. -> for each
+        row, whether it owns its id: the id was new (the first row with it here owns it), or this
+        row's place claimed it before."""
+        uniq, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        owner = places[first]
+        seen = np.zeros(len(uniq), dtype=bool)
+        for run, owners in zip(self._ids, self._owners):
+            at = np.minimum(np.searchsorted(run, uniq), len(run) - 1)
+            hit = run[at] == uniq
+            owner[hit] = owners[at[hit]]
+            seen |= hit
+        self._add(uniq[~seen], owner[~seen])
+        return places == owner[inverse.reshape(-1)]
+
+    def _add(self, ids: np.ndarray, owners: np.ndarray) -> None:
+        if not len(ids):
+            return
+        # Merge with the runs it outgrows until the one before it is over twice its size: log2(n)
+        # runs to search at most, and each id copied O(log n) times in all.
+        while self._ids and len(self._ids[-1]) <= 2 * len(ids):
+            run, run_owners = self._ids.pop(), self._owners.pop()
+            at = np.searchsorted(run, ids)
+            ids, owners = np.insert(run, at, ids), np.insert(run_owners, at, owners)
+        self._ids.append(ids)
+        self._owners.append(owners)
+
+
 class Preprocess:
     """Ray Data stage, fused into the read tasks: parse each row and check its fields, drop the
-    ids already done, tokenize, and check the prompt against the context and the vocabulary.
+    ids already done, claim the others (a duplicate id becomes an error row named by its place),
+    tokenize, and check the prompt against the context and the vocabulary.
     An instance, not a class, so Ray Data runs it in tasks; each task loads the tokenizer once."""
 
     def __init__(self, engine_config: dict, done_ref: list, window: int, group_rows: int,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, seen_ids: Any = None) -> None:
         self.engine_config, self.window, self.group_rows = engine_config, window, group_rows
         self.tool_call_parser = tool_call_parser
         self.done_ref = done_ref  # [ObjectRef of the sorted digests of the ids already written]
+        # A SeenIds actor shared by the job's tasks; None: this instance keeps its own SeenIds
+        # (it then sees only the rows it is given).
+        self.seen_ids = seen_ids
         self._inputs: Any = None  # built in the task: a tokenizer does not travel
+
+    def _claim(self, ids: np.ndarray, places: np.ndarray) -> np.ndarray:
+        import ray
+
+        if self.seen_ids is None:
+            self.seen_ids = SeenIds()
+        if isinstance(self.seen_ids, SeenIds):
+            return self.seen_ids.claim(ids, places)
+        return ray.get(self.seen_ids.claim.remote(ids, places))
 
     def _processor(self) -> Any:
         if self._inputs is None:
@@ -408,13 +480,24 @@ class Preprocess:
         import ray
 
         model_name = served_model_name(self.engine_config.get("model_path"))
+        srcs = batch.column("src").to_pylist()
         parsed = [parse_row(raw, src, model_name, self.tool_call_parser)
-                  for src, raw in zip(batch.column("src").to_pylist(), batch.column("row").to_pylist())]
+                  for src, raw in zip(srcs, batch.column("row").to_pylist())]
+        digests = id_digests([rid for rid, _, _ in parsed])
         done = ray.get(self.done_ref[0])  # a view of the object store's copy
         if len(done) and parsed:
-            digests = id_digests([rid for rid, _, _ in parsed])
             at = np.minimum(np.searchsorted(done, digests), len(done) - 1)
-            parsed = [p for p, seen in zip(parsed, done[at] == digests) if not seen]
+            fresh = done[at] != digests
+            parsed = [p for p, keep in zip(parsed, fresh) if keep]
+            srcs = [s for s, keep in zip(srcs, fresh) if keep]
+            digests = digests[fresh]
+        if parsed:
+            # Only the row that owns its id runs under it; another with the same id is named by
+            # its place, so no id appears twice in the output (error rows included).
+            owns = self._claim(digests, place_digests(srcs))
+            parsed = [p if own else (src, None, f"duplicate id {p[0]!r}: ids must be unique; only the "
+                                                "first row read with it is run")
+                      for p, src, own in zip(parsed, srcs, owns)]
         inputs, encoder = self._processor(), msgspec.msgpack.Encoder()
         failed: list[tuple[str, str]] = []
         work: list[tuple[list[int], str, bytes, str | None, str | None]] = []
@@ -517,16 +600,31 @@ def result_row(rid: str, deltas: list, prompt_ids: list[int], echo: str | None =
 
 class WriteShards:
     """Ray Data stage (an actor, so no process starts per shard): commit one shard per call and
-    report it. A shard is written under a hidden temporary name and renamed into place, so a
-    kill leaves no partial shard under a final name; resume reads final names only. Its name is
-    a digest of its ids: a retried call rewrites the same shard instead of adding a second copy
-    of its rows."""
+    report it. A kill leaves no partial shard under a final name, and resume reads final names
+    only: on a local (or HDFS) filesystem a shard is written under a hidden temporary name and
+    renamed into place (an atomic rename); on an object store it is uploaded under its final name,
+    since an upload is visible only once complete and a rename there is a copy and a delete. Its
+    name is a digest of its ids: a retried call rewrites the same shard instead of adding a second
+    copy of its rows."""
 
     def __init__(self, output: str, output_format: str) -> None:
         self.filesystem, self.base = filesystem_for(output)
         self.filesystem.create_dir(self.base, recursive=True)
         self.output_format = output_format
         self.encoder = msgspec.json.Encoder()
+        self.atomic_upload = self.filesystem.type_name in ATOMIC_UPLOAD_FILESYSTEMS
+
+    def encode(self, batch: pa.Table) -> bytes | pa.Buffer:
+        """A shard's whole file. Encoded before anything is opened: pyarrow completes an upload
+        when its stream closes, even on the way out of an exception, so a stream that is written
+        only once never holds part of a shard."""
+        if self.output_format == "parquet":
+            import pyarrow.parquet as pq
+
+            sink = pa.BufferOutputStream()
+            pq.write_table(batch, sink)
+            return sink.getvalue()
+        return b"".join(self.encoder.encode(msgspec.convert(row, ResultRow)) + b"\n" for row in batch.to_pylist())
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         import pyarrow.compute as pc
@@ -535,15 +633,11 @@ class WriteShards:
         digest = hashlib.blake2b("\n".join(ids).encode(), digest_size=10).hexdigest()
         name = f"{SHARD_PREFIX}{digest}.{self.output_format}"
         final, tmp = f"{self.base}/{name}", f"{self.base}/.{name}{TMP_SUFFIX}"
-        with self.filesystem.open_output_stream(tmp) as f:
-            if self.output_format == "parquet":
-                import pyarrow.parquet as pq
-
-                pq.write_table(batch, f)
-            else:
-                f.write(b"".join(self.encoder.encode(msgspec.convert(row, ResultRow)) + b"\n"
-                                 for row in batch.to_pylist()))
-        self.filesystem.move(tmp, final)
+        body = self.encode(batch)
+        with self.filesystem.open_output_stream(final if self.atomic_upload else tmp) as f:
+            f.write(body)
+        if not self.atomic_upload:
+            self.filesystem.move(tmp, final)
         failed = batch.column("error").is_valid()
         ok = batch.filter(pc.invert(failed))
 
@@ -574,9 +668,10 @@ def _window_blocks(ds: Any, rows: int, compute: Any, remote_args: dict) -> Any:
     return ds
 
 
-def build_dataset(opts: BatchOptions, cfg: ClusterConfig, done_ref: Any) -> Any:
+def build_dataset(opts: BatchOptions, cfg: ClusterConfig, done_ref: Any, seen_ids: Any = None) -> Any:
     """read -> Preprocess -> windows -> Generate -> WriteShards, as a lazy Ray Data dataset of
-    ShardReport rows."""
+    ShardReport rows. seen_ids: the job's SeenIds actor (None: each read task keeps its own, so
+    a duplicate id across tasks' files is not caught)."""
     import ray
     import ray.data
 
@@ -594,7 +689,8 @@ def build_dataset(opts: BatchOptions, cfg: ClusterConfig, done_ref: Any) -> Any:
     ds = ray.data.read_datasource(PromptFiles(files, filesystem=filesystem), compute=tasks,
                                   override_num_blocks=min(len(files), read_tasks), **light)
     # No batch size: a whole read block per call, which lets Ray Data fuse this into the read.
-    ds = ds.map_batches(Preprocess(engine_config, [done_ref], opts.window, opts.group_rows, opts.tool_call_parser),
+    ds = ds.map_batches(Preprocess(engine_config, [done_ref], opts.window, opts.group_rows, opts.tool_call_parser,
+                                   seen_ids),
                         batch_size=None,
                         batch_format="pyarrow", compute=tasks, **light)
     # One block per window: the engine stage takes a block at a time, so a window is what goes
@@ -633,7 +729,9 @@ def run(opts: BatchOptions, cfg: ClusterConfig) -> BatchSummary:
         else:
             done_ref, count_ref = ray.put(np.zeros(0, dtype="S16")), ray.put(0)
         summary = BatchSummary()
-        ds = build_dataset(opts, cfg, done_ref)
+        # One claim a span of rows; it asks no CPU, as the read tasks that call it.
+        seen_ids = ray.remote(SeenIds).options(num_cpus=0).remote()
+        ds = build_dataset(opts, cfg, done_ref, seen_ids)
         with tqdm(disable=not opts.progress, unit="row", dynamic_ncols=True) as bar:
             for row in ds.iter_rows():
                 shard = msgspec.convert(row, ShardReport)
@@ -641,6 +739,7 @@ def run(opts: BatchOptions, cfg: ClusterConfig) -> BatchSummary:
                 elapsed = max(time.monotonic() - t0, 1e-9)
                 bar.update(shard.rows)
                 bar.set_postfix(tok_s=f"{summary.completion_tokens / elapsed:.1f}", errors=summary.errors)
+        ray.kill(seen_ids)  # on a cluster this job does not own, its memory goes back now
         summary.wall_s = time.monotonic() - t0
         summary.skipped = ray.get(count_ref)
         return summary

@@ -1,6 +1,7 @@
 """The Ray Data batch job (`cluster.batch`): folders of JSONL and Parquet files give what
-`Cluster.generate` gives, bad rows become error rows, 10,000 rows pass with a bounded driver, and
-a job killed midway resumes without losing or repeating an id."""
+`Cluster.generate` gives, bad rows become error rows, a duplicate id runs once, 10,000 rows pass
+with a bounded driver, a job killed midway resumes without losing or repeating an id, and S3
+(moto's server) serves as input and output as local paths do, resume included."""
 
 from __future__ import annotations
 
@@ -55,17 +56,22 @@ BAD_MESSAGES = {"unknown-field": "best_of", "other-model": "does not exist", "to
                 "hot": "invalid fields"}
 
 
-def read_results(folder: Path) -> dict[str, dict]:
-    """Every committed shard's rows by id (asserts no id appears twice)."""
-    rows: list[dict] = []
-    for shard in sorted(folder.glob("part-*")):
-        if shard.suffix == ".parquet":
-            rows += [{k: v for k, v in r.items() if v is not None} for r in pq.read_table(shard).to_pylist()]
-        else:
-            rows += [json.loads(line) for line in shard.read_text().splitlines()]
+def shard_rows(name: str, data: bytes) -> list[dict]:
+    """A shard's rows as JSONL would give them (Parquet's nulls left out)."""
+    if name.endswith(".parquet"):
+        return [{k: v for k, v in r.items() if v is not None} for r in pq.read_table(pa.BufferReader(data)).to_pylist()]
+    return [json.loads(line) for line in data.decode().splitlines()]
+
+
+def by_id(rows: list[dict]) -> dict[str, dict]:
     ids = [r["id"] for r in rows]
     assert len(ids) == len(set(ids)), "an id was written twice"
     return {r["id"]: r for r in rows}
+
+
+def read_results(folder: Path) -> dict[str, dict]:
+    """Every committed shard's rows by id (asserts no id appears twice)."""
+    return by_id([r for shard in sorted(folder.glob("part-*")) for r in shard_rows(shard.name, shard.read_bytes())])
 
 
 def engine_config(model: str, engines: int):
@@ -244,6 +250,65 @@ def test_inputs_globs_and_the_shard_commit(tmp_path):
     assert len(committed_shards(str(out))) == 1
 
 
+# ---- duplicate ids ----------------------------------------------------------------------------------
+def test_seen_ids_first_claim_wins_and_a_retried_claim_holds():
+    """No Ray: the claim table behind duplicate detection, against a dict, over many small claims
+    (so its runs merge), with some claims repeated as a retried read task would repeat them."""
+    import random
+
+    from cluster.batch import SeenIds, id_digests, place_digests
+
+    seen, owner, rng, line = SeenIds(), {}, random.Random(0), 0
+    for k in range(400):
+        ids = [f"id{rng.randrange(3000)}" for _ in range(rng.randrange(40))]
+        places = [f"f:{line + i}" for i in range(len(ids))]
+        line += len(ids)
+        want = [owner.setdefault(rid, place) == place for rid, place in zip(ids, places)]
+        assert seen.claim(id_digests(ids), place_digests(places)).tolist() == want
+        if k % 5 == 0:  # the same rows again: each keeps what it had
+            assert seen.claim(id_digests(ids), place_digests(places)).tolist() == want
+    assert len(seen) == len(owner)
+    sizes = [len(run) for run in seen._ids]
+    assert all(a > 2 * b for a, b in zip(sizes, sizes[1:])), sizes  # few runs to search
+
+
+def test_duplicate_ids_run_once_and_later_rows_become_errors(ray_local, model_dirs, tmp_path):
+    """The first row read with an id runs; each later one is an error row named by its place,
+    within a file and across files read by different tasks; a re-run adds nothing."""
+    def row(rid: object, prompt: str, n: int, **extra: object) -> dict:
+        return {"id": rid, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True} | extra
+
+    folder, out = tmp_path / "in", tmp_path / "out"
+    folder.mkdir()
+    a, b = folder / "a.jsonl", folder / "b.jsonl"
+    a.write_text("\n".join(json.dumps(r) for r in [
+        row("dup", "Lily", 3), row("solo", "Tom", 2), row("dup", "Lily", 5),  # lines 1-3
+        row("dup", "x", 2, best_of=2),  # 4: a duplicate and invalid: the duplicate is what counts
+        row("cross", "Ann", 4),  # 5: also in b.jsonl, which the other read task reads
+        row("bad-first", "hi", 2, temperature="hot"), row("bad-first", "hi", 2),  # 6, 7
+        row(7, "Sam", 2), row("7", "Sam", 2)]) + "\n")  # 8, 9: the same id in the output
+    b.write_text("\n".join(json.dumps(r) for r in [row("cross", "Ann", 4), row("only-b", "Bo", 2)]) + "\n")
+    summary = run_job(folder, out, model_dirs["llama"], "jsonl")
+
+    results = read_results(out)  # asserts that no id is written twice
+    dups = {f"{a}:3": "dup", f"{a}:4": "dup", f"{a}:7": "bad-first", f"{a}:9": "7"}
+    cross = {f"{a}:5", f"{b}:1"} & set(results)
+    assert len(cross) == 1, cross  # whichever task read "cross" first ran it
+    dups[cross.pop()] = "cross"
+    assert set(results) == {"dup", "solo", "cross", "bad-first", "7", "only-b"} | set(dups)
+    for place, rid in dups.items():
+        assert results[place] == {"id": place, "error": f"duplicate id {rid!r}: ids must be unique; only the "
+                                                        "first row read with it is run"}
+    assert results["dup"]["completion_tokens"] == 3  # line 1's, not line 3's
+    assert results["cross"]["completion_tokens"] == 4 and results["7"]["completion_tokens"] == 2
+    assert "invalid fields" in results["bad-first"]["error"]
+    assert (summary.rows, summary.errors) == (len(results), len(dups) + 1)
+
+    again = run_job(folder, out, model_dirs["llama"], "jsonl")
+    assert (again.rows, again.skipped) == (0, len(results))
+    assert read_results(out) == results
+
+
 # ---- the job as a process: memory, kill and resume ------------------------------------------------
 PEAK_RSS = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
             "print('peak_rss_kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
@@ -334,3 +399,194 @@ def test_killed_midway_resumes_with_every_id_once(ray_local, model_dirs, tmp_pat
     assert set(after) == {f"r{i}" for i in range(10_000)}
     assert all(after[rid] == row for rid, row in before.items())
     assert not torn.exists()
+
+
+# ---- object storage: S3, through moto's server ---------------------------------------------------
+# 5.2.1 answers CompleteMultipartUpload under the wrong root element, which pyarrow takes for an
+# error (getmoto/moto#10055); pyproject's test extras ask for this or later.
+MOTO_MIN_VERSION = "5.2.5"
+
+
+class S3:
+    """A local S3 (moto's server, on a thread of this process) and a boto3 client for it."""
+
+    def __init__(self, endpoint: str) -> None:
+        import boto3
+
+        # What pyarrow (the job's filesystems) reads: credentials, region, where S3 is; and no
+        # EC2 instance-metadata lookups for credentials.
+        self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
+                    "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
+        self.client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                                   aws_secret_access_key="testing", region_name="us-east-1")
+
+    def bucket(self) -> str:
+        """A new bucket, versioned: every object ever written under a key stays listed."""
+        import uuid
+
+        name = f"rr-{uuid.uuid4().hex[:12]}"
+        self.client.create_bucket(Bucket=name)
+        self.client.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+        return name
+
+    def keys(self, bucket: str, prefix: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    def written(self, bucket: str, prefix: str) -> list[str]:
+        """Every object version ever written under prefix (deleted ones too), by key."""
+        pages = self.client.get_paginator("list_object_versions").paginate(Bucket=bucket, Prefix=prefix)
+        return sorted(v["Key"] for page in pages for v in page.get("Versions", []))
+
+    def read(self, bucket: str, key: str) -> bytes:
+        return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=bucket, Key=key, Body=data)
+
+    def results(self, bucket: str, prefix: str) -> dict[str, dict]:
+        """Every committed shard's rows under prefix, by id (asserts no id appears twice)."""
+        return by_id([r for key in self.keys(bucket, prefix) if key.rsplit("/", 1)[1].startswith("part-")
+                      for r in shard_rows(key, self.read(bucket, key))])
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from packaging.version import Version
+
+    moto = pytest.importorskip("moto", reason="the S3 tests need moto[server] (in the test extras)")
+    if Version(moto.__version__) < Version(MOTO_MIN_VERSION):
+        pytest.skip(f"moto {moto.__version__} breaks pyarrow's multipart uploads (getmoto/moto#10055): "
+                    f"pip install 'moto[server]>={MOTO_MIN_VERSION}'")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # port 0: a free one
+    server.start()
+    host, port = server.get_host_and_port()
+    yield S3(f"http://{host}:{port}")
+    server.stop()
+
+
+def test_shards_on_s3_are_uploaded_under_their_final_names(s3, monkeypatch):
+    """No Ray: on S3 a shard is one upload under its final name (no temporary, no copy: the bucket's
+    versions list every object ever written); resume reads it back; a stale temporary is removed;
+    inputs resolve as on a local disk; and a writer killed mid-upload leaves no object."""
+    from cluster.batch import (
+        WriteShards,
+        _remove_stale_temporaries,
+        committed_shards,
+        load_done_ids,
+        resolve_input,
+    )
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    bucket = s3.bucket()
+    rows = pa.Table.from_pylist([{"id": "a", "text": "hi", "prompt_tokens": 3, "completion_tokens": 1,
+                                  "cached_tokens": 0, "finish_reason": "length", "error": None},
+                                 {"id": "b", "text": None, "prompt_tokens": None, "completion_tokens": None,
+                                  "cached_tokens": None, "finish_reason": None, "error": "invalid JSON"}])
+    out, names = f"s3://{bucket}/out", set()
+    for fmt in ("jsonl", "parquet"):
+        report = WriteShards(out, fmt)(rows).to_pylist()[0]
+        assert report["path"].startswith(f"{bucket}/out/part-") and report["path"].endswith(fmt)
+        names.add(os.path.basename(report["path"]))
+        assert s3.results(bucket, "out/") == {"a": {"id": "a", "text": "hi", "prompt_tokens": 3, "completion_tokens": 1,
+                                                    "cached_tokens": 0, "finish_reason": "length"},
+                                              "b": {"id": "b", "error": "invalid JSON"}}
+        if fmt == "jsonl":
+            s3.client.delete_object(Bucket=bucket, Key=report["path"].split("/", 1)[1])
+    WriteShards(out, "parquet")(rows)  # a retried write: the same shard again
+    shards = committed_shards(out)
+    assert [os.path.basename(p) for p in shards] == [n for n in names if n.endswith(".parquet")]
+    assert len(load_done_ids(out)) == 2
+    # Every object ever written under out/ is a shard under its final name (or the folder's marker).
+    assert set(s3.written(bucket, "out/")) - {"out/"} == {f"out/{n}" for n in names}
+
+    torn = "out/.part-0123456789abcdef0123.jsonl.tmp"  # left by an older job or another filesystem
+    s3.put(bucket, torn, b'{"id": "c"}\n{"id": "d", "te')
+    assert committed_shards(out) == shards
+    _remove_stale_temporaries(out)
+    assert s3.keys(bucket, "out/.") == []
+
+    for key in ("in/a.jsonl", "in/sub/b.jsonl", "in/c.parquet", "in/_skip.jsonl", "in/x.txt"):
+        s3.put(bucket, key, b"")
+    assert resolve_input(f"s3://{bucket}/in")[0] == [f"{bucket}/in/a.jsonl", f"{bucket}/in/c.parquet",
+                                                     f"{bucket}/in/sub/b.jsonl"]
+    assert resolve_input(f"s3://{bucket}/in/*/*.jsonl")[0] == [f"{bucket}/in/sub/b.jsonl"]
+
+    # What writing under the final name rests on: an upload cut off (here after a 10 MiB part went
+    # up) leaves no object, only an unfinished multipart upload that no listing shows.
+    cut = ("import os, sys; from cluster.batch import filesystem_for; fs, path = filesystem_for(sys.argv[1]); "
+           "f = fs.open_output_stream(path); f.write(b'x' * (12 << 20)); f.flush(); os._exit(0)")
+    subprocess.run([sys.executable, "-c", cut, f"s3://{bucket}/out/part-cut.jsonl"], cwd=ROOT, check=True,
+                   timeout=120)
+    assert [u["Key"] for u in s3.client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == [
+        "out/part-cut.jsonl"]
+    assert committed_shards(out) == shards
+
+
+def s3_job(s3: S3, *args: str) -> str:
+    """The job as a process on a Ray of its own: Ray's workers inherit the environment of the
+    process that starts Ray, so they read S3's settings from it as the driver does (a job on an
+    existing cluster gets them from the nodes or from its runtime_env)."""
+    argv = [sys.executable, "-m", "cluster", "batch", *args, "--engines", "1", "--window", "4", "--group-rows", "8",
+            "--rows-per-shard", "5", "--no-progress"]
+    r = subprocess.run(argv, cwd=ROOT, env=job_env() | s3.env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def test_s3_input_and_output_match_local_paths_and_resume(ray_local, model_dirs, s3, tmp_path):
+    """The same JSONL and Parquet files, from a local folder and from S3, to a local folder and to
+    S3: the same rows. Then shards deleted from S3 (as if the job had been killed before writing
+    them) and a torn temporary added: a re-run writes exactly the missing rows."""
+    from cluster.batch import served_model_name
+
+    model = model_dirs["llama"]
+    bad = [{"id": "other-model", "prompt": "hi", "model": "gpt-4o"}, {"id": "too-long", "prompt": "x" * 1100}]
+    good = good_rows(served_model_name(model))
+    parquet_rows = [r | {"id": str(r["id"])} for r in good[1::3]]  # one Parquet column, one type
+    keys = sorted({k for r in parquet_rows for k in r})
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in parquet_rows]), sink)
+    files = {"a.jsonl": "\n".join([json.dumps(good[0]), "{not json"] + [json.dumps(r) for r in good[2::3] + bad]),
+             "sub/b.jsonl": "\n".join(json.dumps(r) for r in good[3::3]) + "\n",
+             "c.parquet": sink.getvalue().to_pybytes()}
+    bucket, folder = s3.bucket(), tmp_path / "in"
+    for name, data in files.items():
+        data = data.encode() if isinstance(data, str) else data
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+        s3.put(bucket, f"in/{name}", data)
+
+    run_job(folder, tmp_path / "out", model, "jsonl")
+    local = read_results(tmp_path / "out")
+    stdout = s3_job(s3, "--input", f"s3://{bucket}/in", "--output", f"s3://{bucket}/out", "--model", model,
+                    "--output-format", "parquet")
+    remote = s3.results(bucket, "out/")
+
+    def same(rows: dict[str, dict], folder: str) -> dict[str, dict]:
+        # A place names the file as its filesystem does; cached tokens depend on the engines' count.
+        return {rid.removeprefix(folder): {k: v for k, v in r.items() if k not in ("id", "cached_tokens")}
+                for rid, r in rows.items()}
+
+    assert len(local) == len(good) + len(bad) + 1
+    assert same(remote, f"{bucket}/in/") == same(local, f"{folder}/")
+    assert summary_counts(stdout) == (len(remote), len(bad) + 1, 0)
+
+    shards = [k for k in s3.keys(bucket, "out/") if k.startswith("out/part-")]
+    gone, kept = shards[::2], shards[1::2]
+    lost = [r for key in gone for r in shard_rows(key, s3.read(bucket, key))]
+    for key in gone:
+        s3.client.delete_object(Bucket=bucket, Key=key)
+    torn = "out/.part-0123456789abcdef0123.parquet.tmp"
+    s3.put(bucket, torn, b"PAR1 torn")
+    stdout = s3_job(s3, "--input", f"s3://{bucket}/in/", "--output", f"s3://{bucket}/out/", "--model", model,
+                    "--output-format", "parquet")
+    assert summary_counts(stdout) == (len(lost), sum("error" in r for r in lost), len(remote) - len(lost))
+    assert same(s3.results(bucket, "out/"), "") == same(remote, "")
+    assert s3.keys(bucket, "out/.") == []  # the torn temporary is gone
+    written = s3.written(bucket, "out/")
+    assert all(written.count(key) == 1 for key in kept)  # kept shards were not written again
+    assert [k for k in written if ".tmp" in k] == [torn]  # the job itself wrote no temporary
