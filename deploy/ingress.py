@@ -19,10 +19,15 @@ on a cluster started with `ray start` or on KubeRay, set them on every node)."""
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from typing import Literal
 
 IngressMode = Literal["proxy", "direct", "haproxy"]
 INGRESS_MODES: tuple[IngressMode, ...] = ("proxy", "direct", "haproxy")
+# `python -m cluster serve`'s default: no Python process relays the events, and clients keep one
+# address per node (docs/BENCHMARKS.md, "Streaming front end (issue 19)", has the figures).
+DEFAULT_INGRESS: IngressMode = "haproxy"
 DIRECT_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
@@ -47,3 +52,41 @@ def direct_urls(app_name: str, host: str | None = None) -> list[str]:
     groups = ray.get(controller.get_target_groups.remote(app_name))
     return [f"http://{host or t.ip}:{t.port}" for g in groups if g.protocol == RequestProtocol.HTTP
             and g.app_name == app_name for t in g.targets]
+
+
+def available(mode: IngressMode) -> IngressMode:
+    """`mode`, or "proxy" when it is haproxy and this machine has no haproxy binary."""
+    if mode != "haproxy":
+        return mode
+    try:
+        from ray.serve._private.haproxy import get_haproxy_binary
+    except ImportError:  # Serve moved it: let Serve itself say what it lacks
+        return mode
+    try:
+        get_haproxy_binary()
+    except FileNotFoundError:
+        return "proxy"
+    return mode
+
+
+def wait_for_direct_urls(app_name: str, host: str | None = None, timeout_s: float = 120.0) -> list[str]:
+    """direct_urls once the application's ingress replicas have their ports (empty on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while not (urls := direct_urls(app_name, host)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return urls
+
+
+def wait_until_healthy(url: str, timeout_s: float = 120.0) -> bool:
+    """Poll `url`/health until it answers 200: HAProxy learns the front ends' ports a moment after
+    Serve reports the application running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+                if r.status == 200:
+                    return True
+        except OSError:  # refused, 503 (HTTPError), or a timeout: not yet
+            pass
+        time.sleep(0.5)
+    return False
