@@ -7,6 +7,7 @@ import os
 import sys
 
 from cluster.cli import add_cluster_flags, add_struct_flags, given
+from deploy.ingress import DEFAULT_INGRESS, INGRESS_MODES
 
 
 def serve_parser() -> tuple[argparse.ArgumentParser, list[str]]:
@@ -21,6 +22,11 @@ def serve_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                     help="cut a client whose request line and headers take longer (default 5; new local Ray only)")
     ap.add_argument("--http-body-timeout-s", type=float, default=None,
                     help="cut a client whose request body takes longer (default 30; new local Ray only)")
+    ap.add_argument("--ingress", choices=INGRESS_MODES, default=DEFAULT_INGRESS,
+                    help="how HTTP reaches the front ends (deploy/ingress.py): haproxy (an HAProxy per node on "
+                         "--port, forwarding to the front ends' own HTTP servers), direct (the front ends' own "
+                         "ports only, 30000-31000; Serve's proxy stays on --port) or proxy (Serve's proxy actor "
+                         "relays every event); default %(default)s; new local Ray only")
     fields = add_struct_flags(ap.add_argument_group("HTTP options"), HTTPOptions)
     fleet = add_struct_flags(ap.add_argument_group(
         "fleet (front-end replicas; a fixed --num-engines, or autoscaling between --min-engines and --max-engines)"),
@@ -39,20 +45,31 @@ def serve_main(argv: list[str]) -> int:
     from ray import serve
 
     from cluster.cluster import ensure_ray
-    from deploy import http_guard
+    from deploy import http_guard, ingress
     from deploy.app import build_app
 
-    # The proxies inherit these from the Ray processes this starts (a cluster joined by
-    # --address needs them in its own environment).
+    # The proxies and replicas inherit these from the Ray processes this starts (a cluster joined
+    # by --address needs them in its own environment).
     os.environ.update(http_guard.environment(args.http_header_timeout_s, args.http_body_timeout_s))
+    mode = ingress.available(args.ingress)
+    if mode != args.ingress:
+        print(f"radixray: no haproxy binary found; serving through Serve's proxy (--ingress {mode})", flush=True)
+    os.environ.update(ingress.environment(mode))
     # Request failures and engine tracebacks are printed here, not only in Ray's log files.
     ensure_ray(args.address, log_to_driver=True)
     app = build_app(given(args, fields))  # flat: AppArgs sorts the names into its parts
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(app, name="radixray", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"
+    if mode == "direct":  # the fast path is each front end's own port; --port is Serve's proxy
+        urls = ingress.wait_for_direct_urls("radixray", args.host)
+        url = urls[0] if urls else url
+        print(f"radixray front ends (direct ingress): {', '.join(urls)}; Serve's proxy: "
+              f"http://{args.host}:{args.port}", flush=True)
+    if not ingress.wait_until_healthy(url):
+        print(f"radixray: {url}/health does not answer 200 yet", flush=True)
     key = ' -H "Authorization: Bearer $RADIXRAY_API_KEY"' if args.api_key else ""
-    print(f"radixray is serving on {url}  (Ctrl-C to stop)\n"
+    print(f"radixray is serving on {url} (ingress: {mode}; Ctrl-C to stop)\n"
           f"  curl {url}/v1/completions -H 'Content-Type: application/json'{key} "
           f"-d '{{\"prompt\": \"Once upon a time\", \"max_tokens\": 32}}'", flush=True)
 

@@ -468,31 +468,43 @@ def case_batch(path: str, scale: float) -> None:
 
 
 FRONTEND_MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "models", "stories260K")
+FRONTEND_RESULT = "FRONTEND_RESULT "  # the line a frontend child prints its figures on
+FRONTEND_STREAMS = 32
 
 
 def _proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    """User + system CPU seconds of a process, from /proc (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _pids(title: str) -> list[int]:
-    """Processes whose title (Ray sets "ray::<actor>") contains `title`."""
+def _pids(*titles: str) -> list[int]:
+    """Processes whose command line (Ray sets "ray::<actor>") contains one of `titles`."""
     out = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        if entry.isdigit() and int(entry) != os.getpid():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if title.encode() in f.read():
-                        out.append(int(entry))
+                    cmd = f.read()
             except OSError:
                 continue
+            if any(t.encode() in cmd for t in titles):
+                out.append(int(entry))
     return out
 
 
+def _latency_summary(ttfts: list[float], itls: list[float]) -> dict:
+    return {"ttft_p50": statistics.median(ttfts), "ttft_p99": _percentile(ttfts, 0.99),
+            "itl_p50": statistics.median(itls) if itls else 0.0, "itl_p99": _percentile(itls, 0.99) if itls else 0.0}
+
+
 async def _sse_load(url: str, bodies: list[dict]) -> dict:
-    """Stream every body at once; tok/s, TTFT and ITL (between events with tokens), events."""
+    """Stream every body at once: tokens (from the chunks' running usage), SSE events that carry
+    tokens, TTFT and ITL (between such events), wall time."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
@@ -526,59 +538,141 @@ async def _sse_load(url: str, bodies: list[dict]) -> dict:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one(b) for b in bodies))
         wall = time.perf_counter() - t0
-    ttfts = [r[0] for r in results]
-    itls = [g for r in results for g in r[1]]
     return {"wall": wall, "tokens": sum(r[3] for r in results), "events": sum(r[2] for r in results),
-            "ttft": ttfts, "itl": itls}
+            **_latency_summary([r[0] for r in results], [g for r in results for g in r[1]])}
 
 
-def case_frontend(path: str, scale: float) -> None:
+def _metric_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Unlabelled samples of a Prometheus text page."""
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[name] = float(value)
+    return out
+
+
+FRONTEND_METRICS = ("radixray_sse_events_total", "radixray_streamed_tokens_total", "radixray_frontend_cpu_seconds_total")
+
+
+def frontend_child(mode: str, model: str, scale: float, interval_s: float | None) -> dict:
+    """One ingress mode in the Ray this process started (the mode is in its environment):
+    direct Cluster streams, then the same streams over HTTP, completions and chat."""
+    import httpx
     from ray import serve
 
     from deploy.app import build_app
+    from deploy.ingress import direct_urls
 
-    model = os.path.realpath(FRONTEND_MODEL) if os.path.isdir(FRONTEND_MODEL) else path
-    streams, tokens = 32, max(32, int(256 * scale))
+    streams, tokens = FRONTEND_STREAMS, max(32, int(256 * scale))
     prompts = [f"Story {i}: Once upon a time" for i in range(streams)]
     params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+    extra = {} if interval_s is None else {"stream_interval_s": interval_s}
+    result: dict = {"mode": mode, "tokens": streams * tokens}
 
-    cfg = ClusterConfig(model_path=model, num_engines=1, device="cpu", cpus_per_engine=1, torch_threads_per_engine=1)
+    cfg = ClusterConfig(model_path=model, num_engines=1, device="cpu", cpus_per_engine=1, torch_threads_per_engine=1,
+                        **extra)
+    result["stream_interval_s"] = cfg.stream_interval_s
     with Cluster(cfg) as cl:
-        async def direct() -> float:
-            async def one(p: str) -> int:
-                return sum([len(d.token_ids) async for d in cl.stream(p, params)])
+        async def direct() -> dict:
+            async def one(p: str) -> tuple[float, list[float], int]:
+                t0, first, last, gaps, got = time.perf_counter(), None, 0.0, [], 0
+                async for d in cl.stream(p, params):
+                    if d.token_ids:
+                        now = time.perf_counter()
+                        if first is None:
+                            first = now - t0
+                        else:
+                            gaps.append(now - last)
+                        last, got = now, got + len(d.token_ids)
+                return first, gaps, got
 
             t0 = time.perf_counter()
-            got = await asyncio.gather(*(one(p) for p in prompts))
-            assert sum(got) == streams * tokens, "direct calls skipped work"
-            return time.perf_counter() - t0
+            runs = await asyncio.gather(*(one(p) for p in prompts))
+            wall = time.perf_counter() - t0
+            assert sum(r[2] for r in runs) == streams * tokens, "direct calls skipped work"
+            return {"wall": wall, **_latency_summary([r[0] for r in runs], [g for r in runs for g in r[1]])}
 
         cl.run(direct())  # warm-up
-        dt_direct = cl.run(direct())
+        result["direct"] = cl.run(direct())
 
-    base = _serve_base()
-    serve.run(build_app({"model_path": model, "num_engines": 1, "device": "cpu", "torch_threads_per_engine": 1}),
-              name="bench-frontend", route_prefix="/")
-    procs = {"proxy": _pids("ray::ProxyActor"), "front end": _pids("ServeReplica:bench-frontend:OpenAIServer"),
-             "engine": _pids("ray::EngineActor")}
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model_path": model, "num_engines": 1, "device": "cpu", "torch_threads_per_engine": 1,
+                         **extra}), name="bench-frontend", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    if mode == "direct":
+        deadline = time.monotonic() + 60
+        while not (urls := direct_urls("bench-frontend", "127.0.0.1")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        base = urls[0]
+    if mode == "haproxy":  # HAProxy learns the replicas' ports a moment after the app is ready
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{base}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+    result["url"] = base
+    procs = {"proxy": _pids("ray::ProxyActor", "ray::HAProxyManager", "/haproxy"),
+             "front end": _pids("ServeReplica:bench-frontend:OpenAIServer"), "engine": _pids("ray::EngineActor")}
     for endpoint, make in (("completions", lambda p: {"prompt": p}),
                            ("chat", lambda p: {"messages": [{"role": "user", "content": p}]})):
         url = f"{base}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
         bodies = [{**make(p), "max_tokens": tokens, "temperature": 0, "ignore_eos": True} for p in prompts]
         asyncio.run(_sse_load(url, bodies[:4]))  # warm-up
+        metrics_before = _metric_values(httpx.get(f"{base}/metrics", timeout=30).text, FRONTEND_METRICS)
         before = {k: sum(_proc_cpu_s(p) for p in pids) for k, pids in procs.items()}
         r = asyncio.run(_sse_load(url, bodies))
         cpu = {k: sum(_proc_cpu_s(p) for p in pids) - before[k] for k, pids in procs.items()}
+        metrics_after = _metric_values(httpx.get(f"{base}/metrics", timeout=30).text, FRONTEND_METRICS)
         assert r["tokens"] == streams * tokens, "the HTTP run skipped work"
-        per_tok = "  ".join(f"{k}={1e6 * v / r['tokens']:,.0f} us/tok" for k, v in cpu.items())
-        front = cpu["proxy"] + cpu["front end"]
-        print(f"frontend   {endpoint}: {r['tokens'] / r['wall']:,.0f} tok/s (direct {streams * tokens / dt_direct:,.0f}, "
-              f"http/direct={dt_direct / r['wall']:.2f}x, floor 0.9x)  CPU {per_tok}  proxy+front end="
-              f"{1e6 * front / r['tokens']:,.0f} us/tok (ceiling 100), {1e3 * front / streams:,.1f} ms/request  "
-              f"events/token={r['events'] / r['tokens']:.2f}  ttft p50={1e3 * statistics.median(r['ttft']):.0f} ms "
-              f"p99={1e3 * _percentile(r['ttft'], 0.99):.0f} ms  itl p50={1e3 * statistics.median(r['itl']):.1f} ms "
-              f"p99={1e3 * _percentile(r['itl'], 0.99):.1f} ms", flush=True)
+        r["cpu"] = cpu
+        r["metrics"] = {k: metrics_after.get(k, 0.0) - metrics_before.get(k, 0.0) for k in FRONTEND_METRICS}
+        result[endpoint] = r
     serve.delete("bench-frontend")
+    serve.shutdown()
+    return result
+
+
+def _frontend_line(r: dict, endpoint: str) -> str:
+    e, d, n = r[endpoint], r["direct"], r["tokens"]
+    us = {k: 1e6 * v / n for k, v in e["cpu"].items()}
+    front = us["proxy"] + us["front end"]
+    m = e["metrics"]
+    own = (f"  /metrics: events/token={m['radixray_sse_events_total'] / max(m['radixray_streamed_tokens_total'], 1):.2f} "
+           f"front end CPU={1e6 * m['radixray_frontend_cpu_seconds_total'] / max(m['radixray_streamed_tokens_total'], 1):,.0f} "
+           "us/tok") if m.get("radixray_streamed_tokens_total") else ""
+    return (f"frontend   {r['mode']:<7} {endpoint:<11} {n / e['wall']:,.0f} tok/s (direct {n / d['wall']:,.0f}, "
+            f"http/direct={d['wall'] / e['wall']:.2f}x, floor 0.9x)  CPU proxy={us['proxy']:,.0f} "
+            f"front end={us['front end']:,.0f} engine={us['engine']:,.0f} us/tok  proxy+front end={front:,.0f} us/tok "
+            f"(ceiling 100)  events/token={e['events'] / n:.2f}  ttft p50={1e3 * e['ttft_p50']:.0f} ms "
+            f"p99={1e3 * e['ttft_p99']:.0f} ms (direct {1e3 * d['ttft_p50']:.0f}/{1e3 * d['ttft_p99']:.0f})  "
+            f"itl p50={1e3 * e['itl_p50']:.1f} ms p99={1e3 * e['itl_p99']:.1f} ms "
+            f"(direct {1e3 * d['itl_p50']:.1f}/{1e3 * d['itl_p99']:.1f}){own}")
+
+
+def case_frontend(path: str, scale: float, ingress: tuple[str, ...] = ("proxy", "direct", "haproxy"),
+                  interval_s: float | None = None) -> None:
+    """Each ingress mode in a Ray of its own (Serve reads the mode when its processes start),
+    one after the other, each in a child process: stories260K, one engine, 32 streams."""
+    import subprocess
+    import sys
+
+    from deploy.ingress import environment
+
+    model = os.path.realpath(FRONTEND_MODEL) if os.path.isdir(FRONTEND_MODEL) else path
+    for mode in ingress:
+        argv = [sys.executable, "-m", "cluster.bench", "--frontend-child", mode, "--model", model,
+                "--scale", str(scale)] + ([] if interval_s is None else ["--stream-interval-s", str(interval_s)])
+        proc = subprocess.run(argv, env={**os.environ, **environment(mode)}, capture_output=True, text=True,
+                              timeout=3600)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith(FRONTEND_RESULT)]
+        if proc.returncode or not lines:
+            print(f"frontend   {mode}: failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}",
+                  flush=True)
+            continue
+        r = json.loads(lines[-1][len(FRONTEND_RESULT):])
+        print(f"# frontend {mode}: {r['url']}, stream_interval_s={r['stream_interval_s']}", flush=True)
+        for endpoint in ("completions", "chat"):
+            print(_frontend_line(r, endpoint), flush=True)
 
 
 def case_autoscale(path: str, scale: float) -> None:
@@ -649,13 +743,34 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="scale,routing,churn,http,dp,moe,batch", help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ingress", default="proxy,direct,haproxy",
+                    help="frontend: the ingress modes to compare, in this order (deploy/ingress.py)")
+    ap.add_argument("--stream-interval-s", type=float, default=None,
+                    help="frontend: ClusterConfig.stream_interval_s (default: its default)")
+    ap.add_argument("--frontend-child", help=argparse.SUPPRESS)  # one ingress mode, in its own Ray
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.frontend_child:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        result = frontend_child(args.frontend_child, args.model, args.scale, args.stream_interval_s)
+        print(FRONTEND_RESULT + json.dumps(result), flush=True)
+        ray.shutdown()
+        return
     path = bench_model_path()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    print(f"# cluster bench: {ray.cluster_resources().get('CPU')} CPUs, model {path}", flush=True)
+    scale = 0.125 if args.quick else 1.0
+    print(f"# cluster bench: {len(os.sched_getaffinity(0))} CPUs, model {path}", flush=True)
     for name in args.cases.split(","):
-        CASES[name](path, 0.125 if args.quick else 1.0)
-    ray.shutdown()
+        if name == "frontend":  # its children start a Ray each: none of ours may run meanwhile
+            if ray.is_initialized():
+                ray.shutdown()
+            case_frontend(path, scale, ingress=tuple(args.ingress.split(",")), interval_s=args.stream_interval_s)
+            continue
+        if not ray.is_initialized():
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        CASES[name](path, scale)
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -77,18 +77,53 @@ def _engine_is_gone(error: ray.exceptions.RayError) -> bool:
     return isinstance(getattr(error, "cause", None), EngineDeadError)
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+def _put_all(items: list[tuple[_Inbox, Any]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
 
 
-def _merge(first: StreamDelta, then: StreamDelta) -> StreamDelta:
-    """One delta carrying two consecutive deltas of a request."""
-    logprobs = first.logprobs + then.logprobs if first.logprobs is not None and then.logprobs is not None else (
-        then.logprobs if first.logprobs is None else first.logprobs)
-    prompt_logprobs = first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs
-    return msgspec.structs.replace(then, text=first.text + then.text, token_ids=first.token_ids + then.token_ids,
-                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+class _Inbox:
+    """One request's deliveries, read by its stream_ids on the request's loop; `take` hands over
+    everything delivered so far. While the reader holds tokens back (`quiet`: the stream
+    interval), a delta that does not end the request is stored without waking it, so a stream
+    costs one wake-up per event, not one per token; the end, errors and sentinels always wake it."""
+
+    __slots__ = ("items", "quiet", "ready", "waiter")
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self.quiet = False
+        self.ready = False
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self.items.append(item)
+        if self.quiet and type(item) is StreamDelta and item.finish_reason is None:
+            return
+        self.ready = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list:
+        """Cancel-safe: its only await is a plain future, which a cancellation cancels."""
+        if not (self.ready or (self.items and not self.quiet)):
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        items, self.items, self.ready = self.items, [], False
+        return items
+
+
+def _merge_all(deltas: list[StreamDelta]) -> StreamDelta:
+    """One delta carrying consecutive deltas of a request (the last one's counts and finish)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    lps = [d.logprobs for d in deltas if d.logprobs is not None]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    return msgspec.structs.replace(deltas[-1], text="".join([d.text for d in deltas]),
+                                   token_ids=[t for d in deltas for t in d.token_ids],
+                                   logprobs=[x for lp in lps for x in lp] if lps else None,
+                                   prompt_logprobs=prompt_logprobs)
 
 
 def _error(rid: str, message: str, kind: ErrorKind, prompt_tokens: int = 0) -> StreamDelta:
@@ -146,7 +181,7 @@ class Cluster:
         self.router = Router(cfg.routing, 0, policy_options=cfg.routing_options)
         self._where: dict[str, int] = {}  # request id -> engine, while in flight
         self._incarnation: dict[str, str] = {}  # request id -> the engine instance that took it
-        self._subs: dict[str, tuple[int, asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._subs: dict[str, tuple[int, asyncio.AbstractEventLoop, _Inbox]] = {}
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
         if fleet is None:
@@ -318,7 +353,7 @@ class Cluster:
         """Route one validated request and stream its deltas. Re-routes if its engine dies
         before a token was streamed; ends with an explicit error if it dies after.
 
-        Cancel-safe: the only awaits are a plain queue.get() and the submit call, so a
+        Cancel-safe: the only awaits are queue.take() (a plain future) and the submit call, so a
         cancellation always reaches the `finally` that aborts the request on its engine (the
         deadline is a sentinel put on the queue by a timer, not asyncio.wait_for, which can
         swallow a cancellation that races with the item it waits for)."""
@@ -333,7 +368,7 @@ class Cluster:
         interval = self.config.stream_interval_s
         flush: asyncio.TimerHandle | None = None
         tried: set[int] = set()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _Inbox()
         timer = loop.call_later(self.config.request_timeout_s, lambda: queue.put_nowait(_TIMED_OUT))
         try:
             while True:
@@ -350,43 +385,46 @@ class Cluster:
                     incarnation = await self.engines[idx].actor.submit.remote(payload, self.consumer)
                     with self._lock:
                         self._incarnation[rid] = incarnation
-                    held: StreamDelta | None = None  # tokens waiting out the stream interval
+                    held: list[StreamDelta] = []  # tokens waiting out the stream interval
                     last_sent = 0.0
-                    while True:
-                        item = await queue.get()
-                        if item is _FLUSH:
-                            flush = None
-                            if held is not None:
-                                yield held
-                                held, last_sent = None, loop.time()
-                            continue
-                        if item is _TIMED_OUT or item is _ENGINE_DIED:
-                            if held is not None:  # what was produced reaches the client first
-                                yield held
-                                held = None
-                            if item is _ENGINE_DIED:
-                                raise ray.exceptions.RayActorError()
-                            yield _error(rid, f"request timed out after {self.config.request_timeout_s}s",
-                                         "timeout", len(input_ids))
-                            return
-                        delta = item if held is None else _merge(held, item)
-                        held = None
-                        finished = delta.finish_reason is not None
-                        if delta.error_kind == "draining" and not streamed:  # handed back: elsewhere
-                            rerouted = True
-                            break
-                        now = loop.time()
-                        # The first tokens and the end go out at once; the rest at most once
-                        # per stream interval, merged.
-                        if finished or not streamed or now >= last_sent + interval:
-                            streamed = streamed or bool(delta.token_ids)
-                            yield delta
-                            last_sent = now
-                            if finished:
+                    while not rerouted:
+                        queue.quiet = bool(held)  # while holding, only the end (or a sentinel) wakes us
+                        for item in await queue.take():
+                            if item is _FLUSH:
+                                flush = None
+                                if held:
+                                    yield _merge_all(held)
+                                    held, last_sent = [], loop.time()
+                                continue
+                            if item is _TIMED_OUT or item is _ENGINE_DIED:
+                                if held:  # what was produced reaches the client first
+                                    yield _merge_all(held)
+                                    held = []
+                                if item is _ENGINE_DIED:
+                                    raise ray.exceptions.RayActorError()
+                                yield _error(rid, f"request timed out after {self.config.request_timeout_s}s",
+                                             "timeout", len(input_ids))
                                 return
-                        else:
-                            held = delta
-                            if flush is None:
+                            held.append(item)
+                            finished = item.finish_reason is not None
+                            if item.error_kind == "draining" and not streamed:  # handed back: elsewhere
+                                rerouted = True
+                                break
+                            now = loop.time()
+                            # The first tokens and the end go out at once; the rest at most once
+                            # per stream interval, merged.
+                            if finished or not streamed or now >= last_sent + interval:
+                                delta = _merge_all(held)
+                                held = []
+                                if flush is not None:
+                                    flush.cancel()
+                                    flush = None
+                                streamed = streamed or bool(delta.token_ids)
+                                yield delta
+                                last_sent = now
+                                if finished:
+                                    return
+                            elif flush is None:
                                 flush = loop.call_later(last_sent + interval - now, queue.put_nowait, _FLUSH)
                 except ray.exceptions.RayError as e:  # the actor died, or its engine loop is dead
                     if not _engine_is_gone(e):  # this request's failure, not the engine's
@@ -413,12 +451,12 @@ class Cluster:
                 if rerouted:
                     tried.add(idx)
                     log.info("engine %d is draining; re-routing request %s", idx, rid)
-                queue = asyncio.Queue()
+                queue = _Inbox()
         finally:
             timer.cancel()
 
     # ---- the per-engine output channels ---------------------------------------------------
-    def _subscribe(self, rid: str, idx: int, queue: asyncio.Queue) -> None:
+    def _subscribe(self, rid: str, idx: int, queue: _Inbox) -> None:
         loop = asyncio.get_running_loop()
         with self._lock:
             self._subs[rid] = (idx, loop, queue)

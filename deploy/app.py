@@ -12,16 +12,17 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import MappingProxyType
 from typing import Any, Literal
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster import Cluster, ClusterConfig
 from cluster.config import ENGINE_OWN_FIELDS
@@ -45,6 +46,7 @@ log = logging.getLogger("radixray.http")
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 FLEET_SIZE_FIELDS = ("num_engines", "frontends", "max_frontends", "min_engines", "max_engines")
 SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
+CHUNK_END = b"}\n\n"  # closes an event whose choices (and usage) follow the shared head
 
 
 class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -129,27 +131,98 @@ class ClientDisconnected(Exception):
     """The client of a request went away while it was generating."""
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """Closes its body generator however the response ends. When the client disconnects while
-    a chunk is being sent, Starlette abandons the generator suspended at its `yield`, and its
-    cleanup (aborting the request on its engine) would wait for garbage collection."""
+class ClientWatch:
+    """Reads the connection for the client's disconnect, then cancels the task serving the
+    request: Serve need not cancel a handler when its client goes away, and a response waiting
+    for its next event never sees the disconnect. Whoever catches the CancelledError calls
+    `absorb()` to tell this cancellation (the request ends quietly) from any other."""
 
-    async def __call__(self, scope, receive, send) -> None:
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def absorb(self) -> bool:
+        """In `except CancelledError`: whether the client's disconnect caused it (then undone)."""
+        if not self.gone:
+            return False
+        self.gone = False  # one cancellation, absorbed once
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            task.uncancel()
+        return True
+
+    def close(self) -> None:
+        self._watcher.cancel()
+
+
+SSE_HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"))
+
+
+class SSEResponse(Response):
+    """A text/event-stream response: one ASGI send per event, nothing in between (no task
+    group, no extra queue). `events(watch)` makes the body; the watch cancels it when the client
+    disconnects. The body generator is closed however the response ends (a generator abandoned
+    at a `yield` would run its cleanup, aborting the request, only when garbage-collected)."""
+
+    def __init__(self, events: Callable[[ClientWatch], AsyncIterator[bytes]], metrics: ServerMetrics) -> None:
+        super().__init__(status_code=200)
+        self.raw_headers = [*SSE_HEADERS]
+        self.events, self.metrics = events, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = ClientWatch(receive)
+        body = self.events(watch)
+        metrics = self.metrics
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in body:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+                metrics.sse_events += 1
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not watch.absorb():
+                raise
+        except OSError:  # the server found the client gone while writing
+            pass
         finally:
-            await self.body_iterator.aclose()
+            watch.close()
+            await body.aclose()
+
+
+class FrontendHeader:
+    """Names the front-end replica that answered (x-radixray-frontend), for operators tracing a
+    request across replicas. Plain ASGI: Starlette's @app.middleware("http") would pipe every
+    streamed event through an extra task and memory stream."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        header = (b"x-radixray-frontend", serve.get_replica_context().replica_id.unique_id.encode())
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
 app = FastAPI(title="radixray", description="OpenAI-compatible API over radixray engine actors")
 
 
-@app.middleware("http")
-async def _frontend_header(request: Request, call_next: Any) -> Response:
-    """Which front-end replica answered (operators tracing a request across replicas)."""
-    response = await call_next(request)
-    response.headers["x-radixray-frontend"] = serve.get_replica_context().replica_id.unique_id
-    return response
+app.add_middleware(FrontendHeader)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -185,6 +258,7 @@ class OpenAIServer:
         self.model_name = self.http.served_model_name or (
             os.path.basename(os.path.normpath(model_path)) if model_path else "radixray-builtin")
         self.metrics = ServerMetrics()
+        self.encoder = msgspec.json.Encoder()  # one per replica: reused by every event
         self.created = int(time.time())
 
     def __del__(self) -> None:  # Serve calls it when the replica stops (the engines stay)
@@ -225,66 +299,77 @@ class OpenAIServer:
             return error_response(503, "no engine is available", "server_error", code="no_engine")
         return None
 
-    async def _merged(self, request: Request, rid: str,
-                      choices: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """Stream several choices (prompt ids, sampling) at once: (choice index, delta) as they come."""
-        queue: asyncio.Queue = asyncio.Queue()
+    async def _merged(self, rid: str, choices: list[tuple[list[int], SamplingParams]],
+                      watch: ClientWatch) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """Stream several choices (prompt ids, sampling) at once: (choice index, delta) as they
+        come; every choice ends with a final delta, whatever stream_ids does. Raises
+        ClientDisconnected when `watch` cancels us (the client went away): cancelling our task
+        reaches each stream_ids's `finally`, which aborts its request on its engine."""
         rids = [f"{rid}-{i}" for i in range(len(choices))]
 
-        async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
-            """Every choice ends with a final delta, whatever stream_ids does."""
-            try:
-                async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[i])) as deltas:
-                    async for d in deltas:
-                        queue.put_nowait((i, d))
-            except Exception as e:  # a bug: an explicit error, never a choice with no end
-                log.exception("request %s failed", rids[i])
-                queue.put_nowait((i, StreamDelta(rid=rids[i], text="", token_ids=[], finish_reason="abort",
-                                                 prompt_tokens=len(ids), error=f"{type(e).__name__}: {e}",
-                                                 error_kind="engine_error")))
-            finally:
-                queue.put_nowait((i, None))
+        def failed(i: int, e: Exception) -> StreamDelta:  # a bug: an explicit error, never a choice with no end
+            log.exception("request %s failed", rids[i])
+            return StreamDelta(rid=rids[i], text="", token_ids=[], finish_reason="abort",
+                               prompt_tokens=len(choices[i][0]), error=f"{type(e).__name__}: {e}",
+                               error_kind="engine_error")
 
-        async def watch_client() -> None:
-            """The client's disconnect, read from the connection itself: Serve need not cancel
-            this handler when it happens, and a response blocked in a send never sees it."""
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            queue.put_nowait((-1, None))
-
-        tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(choices)]
-        tasks.append(asyncio.create_task(watch_client()))
         try:
-            live = len(choices)
-            while live:
-                i, d = await queue.get()
-                if i < 0:
-                    raise ClientDisconnected(rid)
-                if d is None:
-                    live -= 1
-                    continue
-                if d.finish_reason is not None:
+            if len(choices) == 1:  # straight from stream_ids: no task or queue per delta
+                ids, params = choices[0]
+                try:
+                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[0])) as deltas:
+                        async for d in deltas:
+                            if d.error:
+                                log.warning("request %s ended with an error (%s): %s", rids[0], d.error_kind, d.error)
+                            yield 0, d
+                except Exception as e:
+                    yield 0, failed(0, e)
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
+                try:
+                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[i])) as deltas:
+                        async for d in deltas:
+                            queue.put_nowait((i, d))
+                except Exception as e:
+                    queue.put_nowait((i, failed(i, e)))
+                finally:
+                    queue.put_nowait((i, None))
+
+            tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(choices)]
+            try:
+                live = len(choices)
+                while live:
+                    i, d = await queue.get()
+                    if d is None:
+                        live -= 1
+                        continue
                     if d.error:
                         log.warning("request %s ended with an error (%s): %s", rids[i], d.error_kind, d.error)
-                yield i, d
-        finally:
-            # A client disconnect, a client timeout or a shutdown cancels us here. Cancelling a
-            # pump raises CancelledError inside stream_ids, whose finally aborts the request on
-            # its engine (stream_ids has no await that could swallow the cancellation).
-            for t in tasks:
-                t.cancel()
+                    yield i, d
+            finally:
+                # A disconnect, a client timeout or a shutdown cancels us here. Cancelling a pump
+                # raises CancelledError inside stream_ids, whose finally aborts the request on
+                # its engine (stream_ids has no await that could swallow the cancellation).
+                for t in tasks:
+                    t.cancel()
+        except asyncio.CancelledError:
+            if not watch.absorb():
+                raise
+            raise ClientDisconnected(rid) from None
 
     def _client_left(self, rid: str, choices: int) -> None:
         """Every choice of a request whose client went away before its response counts as aborted."""
         self.metrics.requests["aborted"] += choices
         log.info("request %s aborted: the client went away", rid)
 
-    def _record(self, deltas: list[StreamDelta]) -> None:
-        last = deltas[-1]
+    def _record(self, last: StreamDelta, tokens: int) -> None:
+        """A choice that ended: its final delta and how many tokens it generated."""
         status = "ok" if not last.error else ("aborted" if last.error_kind == "aborted" else "error")
         self.metrics.requests[status] += 1
         self.metrics.prompt_tokens += last.prompt_tokens
-        self.metrics.generation_tokens += sum(len(d.token_ids) for d in deltas)
+        self.metrics.generation_tokens += tokens
 
     def _token_str(self, token_id: int) -> str:
         return self.cluster.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -431,12 +516,12 @@ class OpenAIServer:
     async def _respond(self, request: Request, req, rid: str, obj: str,
                        choices: list[tuple[list[int], SamplingParams]], out: RequestOutput) -> Response:
         if req.stream:
-            return ClosingStreamingResponse(self._sse(request, req, rid, choices, out),
-                                     media_type="text/event-stream")
+            return SSEResponse(lambda watch: self._sse(req, rid, choices, out, watch), self.metrics)
         t0 = time.monotonic()
         per_choice: list[list[StreamDelta]] = [[] for _ in choices]
+        watch = ClientWatch(request.receive)
         try:
-            async with contextlib.aclosing(self._merged(request, rid, choices)) as merged:
+            async with contextlib.aclosing(self._merged(rid, choices, watch)) as merged:
                 async for i, d in merged:
                     if not per_choice[i] and d.token_ids:
                         self.metrics.ttft.observe(time.monotonic() - t0)
@@ -447,9 +532,11 @@ class OpenAIServer:
         except BaseException:  # cancelled: the client timed out or went away
             self._client_left(rid, len(choices))
             raise
+        finally:
+            watch.close()
         finals = [c[-1] for c in per_choice]
         for c in per_choice:
-            self._record(c)
+            self._record(c[-1], sum(len(d.token_ids) for d in c))
         failed = next((f for f in finals if f.error), None)
         if failed is not None:
             return delta_error_response(failed)
@@ -460,47 +547,53 @@ class OpenAIServer:
             body["prompt_logprobs"] = plp
         return JSONResponse(body)
 
-    async def _sse(self, request: Request, req, rid: str, choices: list[tuple[list[int], SamplingParams]],
-                   out: RequestOutput) -> AsyncIterator[bytes]:
-        chat = out.chat
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        created = int(time.time())
+    async def _sse(self, req, rid: str, choices: list[tuple[list[int], SamplingParams]], out: RequestOutput,
+                   watch: ClientWatch) -> AsyncIterator[bytes]:
+        """The events of a streamed response. What every event of the request shares (id,
+        object, created, model) is encoded once; an event encodes only its choices (and usage)."""
+        chat, encode, metrics = out.chat, self.encoder.encode, self.metrics
+        n = len(choices)
+        head = b"data: " + encode({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                   "created": int(time.time()), "model": self.model_name, "choices": ()})[:-3]
+        continuous, group = req.continuous_usage, req.n
         t0 = time.monotonic()
-        last_token_at: dict[int, float] = {}
-        per_choice: list[list[StreamDelta]] = [[] for _ in choices]
-        streams = [out.stream(i) for i in range(len(choices))]
+        last_token_at: list[float | None] = [None] * n
+        lasts: list[StreamDelta | None] = [None] * n  # each choice's latest delta (counts are running totals)
+        generated = [0] * n
+        streams = [out.stream(i) for i in range(n)]
 
         def chunk(parts: list[dict], usage: dict | None = None) -> bytes:
-            body = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": parts}
-            if usage is None and req.continuous_usage and parts:
-                usage = self._usage([c[-1] if c else None for c in per_choice], req.n)
-            if usage is not None:
-                body["usage"] = usage
-            return b"data: " + msgspec.json.encode(body) + b"\n\n"
+            if usage is None and continuous and parts:
+                usage = self._usage(lasts, group)
+            return head + encode(parts) + (CHUNK_END if usage is None else b',"usage":' + encode(usage) + CHUNK_END)
 
         if chat:
-            for i in range(len(choices)):  # one chunk per choice, as the other servers send it
+            for i in range(n):  # one chunk per choice, as the other servers send it
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
         last_write = time.monotonic()
         completed = False
         try:
-            async with contextlib.aclosing(self._merged(request, rid, choices)) as merged:
+            async with contextlib.aclosing(self._merged(rid, choices, watch)) as merged:
                 async for i, d in merged:
-                    per_choice[i].append(d)
+                    lasts[i] = d
                     now = time.monotonic()
                     if d.token_ids:
-                        if i in last_token_at:
-                            self.metrics.itl.observe(now - last_token_at[i])
+                        count = len(d.token_ids)
+                        generated[i] += count
+                        metrics.streamed_tokens += count
+                        at = last_token_at[i]
+                        if at is None:
+                            metrics.ttft.observe(now - t0)
                         else:
-                            self.metrics.ttft.observe(now - t0)
+                            metrics.itl.observe(now - at)
                         last_token_at[i] = now
                     if d.error:  # after the 200: the text it still carries, an error event, a finish_reason
                         if d.text:
                             part = {"index": i, "logprobs": None, "finish_reason": None}
                             yield chunk([{**part, "delta": {"content": d.text}} if chat else {**part, "text": d.text}])
                         _, type_ = ERROR_STATUS.get(d.error_kind or "engine_error", (500, "server_error"))
-                        yield b"data: " + msgspec.json.encode({"error": {
+                        yield b"data: " + encode({"error": {
                             "message": d.error, "type": type_, "param": None, "code": d.error_kind}}) + b"\n\n"
                         finish = {"index": i, "logprobs": None, "finish_reason": d.finish_reason}
                         yield chunk([{**finish, "delta": {}} if chat else {**finish, "text": ""}])
@@ -522,12 +615,12 @@ class OpenAIServer:
             return  # the client is gone: nothing more to write
         finally:
             if not completed:
-                self._client_left(rid, len(choices))
-        for c in per_choice:
-            if c:
-                self._record(c)
+                self._client_left(rid, n)
+        for last, tokens in zip(lasts, generated):
+            if last is not None:
+                self._record(last, tokens)
         if req.include_usage:
-            yield chunk([], self._usage([c[-1] if c else None for c in per_choice], req.n))
+            yield chunk([], self._usage(lasts, group))
         yield b"data: [DONE]\n\n"
 
 

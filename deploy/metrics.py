@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import math
+import resource
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,12 @@ class Histogram:
         return lines
 
 
+def process_cpu_s() -> float:
+    """User + system CPU seconds of this whole process (every thread) so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.requests: Counter[str] = Counter()  # by final status: ok, error, aborted, invalid
@@ -43,6 +51,35 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.ttft = Histogram()
         self.itl = Histogram()
+        self.sse_events = 0  # written on streams: data events and keep-alive comments
+        self.streamed_tokens = 0  # tokens those events carried
+        self.cpu_start = process_cpu_s()
+        self._last_scrape = (self.cpu_start, 0, 0)  # (CPU seconds, tokens, events) at the previous render
+
+    def streaming_lines(self) -> list[str]:
+        """Streaming cost: events and tokens streamed, the process's CPU time, and, since the
+        previous scrape of this page, events per token and CPU seconds per streamed token (NaN
+        when no token was streamed meanwhile)."""
+        cpu, tokens, events = process_cpu_s(), self.streamed_tokens, self.sse_events
+        last_cpu, last_tokens, last_events = self._last_scrape
+        self._last_scrape = (cpu, tokens, events)
+        window = tokens - last_tokens
+        return [
+            "# HELP radixray_sse_events_total SSE events written on streams (data events and keep-alive comments).",
+            "# TYPE radixray_sse_events_total counter", f"radixray_sse_events_total {events}",
+            "# HELP radixray_streamed_tokens_total Generated tokens sent on streams.",
+            "# TYPE radixray_streamed_tokens_total counter", f"radixray_streamed_tokens_total {tokens}",
+            "# HELP radixray_frontend_cpu_seconds_total CPU time (user + system, every thread) of this front-end "
+            "process since it started serving.",
+            "# TYPE radixray_frontend_cpu_seconds_total counter",
+            f"radixray_frontend_cpu_seconds_total {cpu - self.cpu_start}",
+            "# HELP radixray_sse_events_per_token SSE events per streamed token since the previous scrape.",
+            "# TYPE radixray_sse_events_per_token gauge",
+            f"radixray_sse_events_per_token {(events - last_events) / window if window else math.nan}",
+            "# HELP radixray_frontend_cpu_per_token_seconds This front-end process's CPU time per streamed token "
+            "since the previous scrape (all its work, streaming or not).",
+            "# TYPE radixray_frontend_cpu_per_token_seconds gauge",
+            f"radixray_frontend_cpu_per_token_seconds {(cpu - last_cpu) / window if window else math.nan}"]
 
     def render(self, cluster_stats: ClusterStats, fleet: FleetEvents | None = None) -> str:
         lines = ["# HELP radixray_requests_total Requests by final status.", "# TYPE radixray_requests_total counter"]
@@ -54,7 +91,9 @@ class ServerMetrics:
                   "# TYPE radixray_generation_tokens_total counter",
                   f"radixray_generation_tokens_total {self.generation_tokens}"]
         lines += self.ttft.render("radixray_time_to_first_token_seconds", "Time to first token.")
-        lines += self.itl.render("radixray_inter_token_latency_seconds", "Time between streamed tokens.")
+        lines += self.itl.render("radixray_inter_token_latency_seconds",
+                                 "Time between a stream's deltas (coalesced tokens arrive together).")
+        lines += self.streaming_lines()
         gauges = {
             "radixray_engine_waiting_requests": ("Requests queued in the engine.", lambda e: e.engine.waiting),
             "radixray_engine_running_requests": ("Requests decoding in the engine.", lambda e: e.engine.running),

@@ -125,8 +125,12 @@ class ChoiceStream:
         self.tools: ToolCallStream | None = out.parser.stream() if out.parser is not None else None
         self.unsent: list[StreamDelta] = []  # deltas whose logprobs have not gone out
         self.started = False
+        # Text only (no echo, no tool parser): most streams, on a path that builds nothing else.
+        self.plain = out.parser is None and not out.echo
 
     def parts(self, d: StreamDelta) -> list[dict[str, Any]]:
+        if self.plain and d.logprobs is None and not self.unsent:
+            return self._plain_parts(d)
         out, i = self.out, self.i
         first = not self.started
         self.started = True
@@ -166,3 +170,16 @@ class ChoiceStream:
                        "finish_reason": finish})
         self.unsent = []
         return chunks
+
+    def _plain_parts(self, d: StreamDelta) -> list[dict[str, Any]]:
+        """parts() for a delta without logprobs on a text-only stream."""
+        self.started = True
+        finish = d.finish_reason
+        if not self.out.chat:
+            if d.text or finish is not None:
+                return [{"index": self.i, "text": d.text, "logprobs": None, "finish_reason": finish}]
+            return []
+        if d.text or finish is not None:
+            return [{"index": self.i, "delta": {"content": d.text} if d.text else {}, "logprobs": None,
+                     "finish_reason": finish}]
+        return []
