@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
+from kernels import cpu_kernels as cpu_attention
 
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None,
                                 reason="CPU kernel disabled (RADIXRAY_CPU_KERNELS=0) or not buildable here")
