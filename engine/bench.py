@@ -393,8 +393,9 @@ def decode_rates(path: str, bs: int, out_len: int, rounds: int, **engine_kwargs)
     prompts every run): best decode tok/s and ms/step, best prefill tok/s, the graph compile time."""
     rng = random.Random(9)
     eng = Engine(model_path=path, max_total_tokens=16384, max_running_requests=bs, **engine_kwargs)
+    vocab = eng.model_config.vocab_size
     t0 = time.perf_counter()
-    eng.generate(input_ids=random_prompts(bs, 128, 128, 32000, rng), sampling_params=GREEDY_WARMUP)
+    eng.generate(input_ids=random_prompts(bs, 128, 128, vocab, rng), sampling_params=GREEDY_WARMUP)
     warm = time.perf_counter() - t0
     graphs = eng.model_runner.graph_runner
     best = {"decode": 0.0, "step_ms": float("inf"), "prefill": 0.0, "warmup_s": warm,
@@ -402,7 +403,7 @@ def decode_rates(path: str, bs: int, out_len: int, rounds: int, **engine_kwargs)
     for _ in range(rounds):
         eng.step_seconds.clear()
         eng.step_count.clear()
-        run_engine(eng, random_prompts(bs, 128, 128, 32000, rng), [out_len] * bs)
+        run_engine(eng, random_prompts(bs, 128, 128, vocab, rng), [out_len] * bs)
         steps, secs = eng.step_count["DECODE"], eng.step_seconds["DECODE"]
         best["decode"] = max(best["decode"], bs * steps / secs)
         best["step_ms"] = min(best["step_ms"], 1e3 * secs / steps)

@@ -46,6 +46,7 @@ class CpuGraphRunner:
         self.compiled: dict[int, Callable[[], torch.Tensor]] = {}
         self.compile_seconds: dict[int, float] = {}  # by size: compile (and first run) wall time
         self.failed: dict[int, str] = {}  # sizes that run eagerly, and why
+        self.replays = 0  # batches run by a compiled graph
 
     def can_run(self, fb: ForwardBatch) -> bool:
         if fb.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE) or fb.batch_size > self.ladder[-1]:
@@ -78,6 +79,7 @@ class CpuGraphRunner:
         captured.seq_lens_cpu = (list(fb.seq_lens_cpu) + [1] * (size - bs)
                                  if fb.seq_lens_cpu is not None else None)
         self.runner.attn_backend.replay_metadata(captured)
+        self.replays += 1
         return fn()[:bs]
 
     def _compile_and_run(self, size: int, bs: int) -> torch.Tensor | None:
@@ -101,4 +103,5 @@ class CpuGraphRunner:
         self.compile_seconds[size] = time.perf_counter() - t0
         log.info("CPU decode graph for batch size %d compiled in %.1f s", size, self.compile_seconds[size])
         self.batches[size], self.compiled[size] = fb, fn
+        self.replays += 1
         return logits[:bs]

@@ -1,4 +1,5 @@
-"""kernels/cpu_linear.py: oneDNN's prepacked linear against F.linear, and backend selection."""
+"""kernels/cpu_linear.py: the packed linears (oneDNN's, the project's GEMM) against F.linear, and
+backend selection."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch.nn.functional as F
 
 from engine import EngineConfig
 from engine.errors import ConfigError
-from engine.model_runner import use_onednn
-from kernels.cpu_linear import Linear, onednn_linear_works
+from engine.model_runner import resolve_linear, use_onednn
+from kernels.cpu_linear import Linear, native_linear_works, onednn_linear_works
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_works(torch.float32), reason="no oneDNN linear in this build")
 
@@ -32,6 +33,30 @@ def test_onednn_matches_f_linear(rows, shape, bias):
     assert lin.numel() == w.numel() + (0 if b is None else b.numel())
 
 
+@pytest.mark.skipif(not native_linear_works(torch.float32), reason="the project's GEMM needs AVX-512")
+@pytest.mark.parametrize("rows", [1, 3, 64, 257])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_matches_f_linear(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=gen)
+    b = torch.randn(96, generator=gen) if bias else None
+    x = torch.randn(rows, 40, generator=gen)
+    lin = Linear(w, b, kind="native")
+    assert lin.weight is None and lin.packed is None and lin.kind == "native"
+    torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@needs_onednn
+def test_onednn_bf16_pads_a_single_row():
+    """oneDNN's bfloat16 GEMM is much slower for one row than for four: one row runs padded."""
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 32, generator=gen).bfloat16(), torch.randn(3, 32, generator=gen).bfloat16()
+    lin = Linear(w, kind="onednn")
+    assert lin.pad_rows > 1
+    torch.testing.assert_close(lin(x[:1]), lin(x)[:1])
+    assert lin(x[:0]).shape == (0, 64)
+
+
 def test_torch_linear_is_f_linear():
     w, x = torch.randn(8, 4), torch.randn(2, 4)
     lin = Linear(w)
@@ -42,12 +67,18 @@ def test_torch_linear_is_f_linear():
 def test_backend_selection():
     cpu = torch.device("cpu")
     assert use_onednn("torch", cpu, torch.float32) is False
-    assert use_onednn("auto", cpu, torch.float32) == onednn_linear_works(torch.float32)
-    assert use_onednn("auto", cpu, torch.float16) is False  # no packed fp16 path: F.linear
-    assert use_onednn("auto", torch.device("cuda"), torch.bfloat16) is False
-    with pytest.raises(ConfigError, match="device='cpu'"):
-        use_onednn("onednn", torch.device("cuda"), torch.bfloat16)
+    native, onednn = native_linear_works(torch.float32), onednn_linear_works(torch.float32)
+    assert resolve_linear("auto", cpu, torch.float32) == ("native" if native else "onednn" if onednn else "torch")
+    assert resolve_linear("auto", cpu, torch.bfloat16) == ("onednn" if onednn_linear_works(torch.bfloat16)
+                                                           else "torch")  # no native bf16 GEMM
+    assert resolve_linear("auto", cpu, torch.float16) == "torch"  # no packed fp16 path: F.linear
+    assert resolve_linear("auto", torch.device("cuda"), torch.bfloat16) == "torch"
+    for backend in ("onednn", "native"):
+        with pytest.raises(ConfigError, match="device='cpu'"):
+            resolve_linear(backend, torch.device("cuda"), torch.bfloat16)
     with pytest.raises(ConfigError, match="float16"):
         use_onednn("onednn", cpu, torch.float16)
+    with pytest.raises(ConfigError, match="AVX-512"):
+        resolve_linear("native", cpu, torch.bfloat16)
     with pytest.raises(ConfigError, match="linear_backend"):
         EngineConfig(linear_backend="mkl")
