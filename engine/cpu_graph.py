@@ -28,6 +28,10 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 
 log = logging.getLogger("radixray.engine")
 
+# The wrapper that calls the kernels in C++ (cpp_wrapper), not in Python: a Python call per
+# kernel costs more than the eager path saves. No size asserts: the inputs are the static buffers.
+COMPILE_OPTIONS = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True,
+                   "size_asserts": False}
 # Padding values of the static inputs (cuda_graph.pad_decode's): row 0, seq_len 1, slot 0.
 _PAD = {"input_ids": 0, "req_pool_indices": 0, "seq_lens": 1, "out_cache_loc": 0, "positions": 0}
 
@@ -91,7 +95,7 @@ class CpuGraphRunner:
             return model.forward(fb, attn)
 
         fn = torch.compile(decode_step, fullgraph=True, dynamic=False, isolate_recompiles=True,
-                           options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+                           options=dict(COMPILE_OPTIONS))
         t0 = time.perf_counter()
         try:
             logits = fn()  # compiles, then runs on the static inputs (this batch, padded)

@@ -176,7 +176,7 @@ class ModelRunner:
         if self.greedy_ids is not None and all(map(plain_greedy, reqs)):
             n = logits.shape[0]
             ids, void = self.greedy_ids[:n], self.greedy_void[:n]
-            torch.ops.radixray.argmax_rows(logits, ids, void)
+            cpu_kernels.argmax_rows(logits, ids, void)
             self.future_token_ids[fb.req_pool_indices] = ids
             return PendingSample(void.tolist(), [None] * n)
         next_ids, bad, logprobs = sample_on_device(logits, reqs)

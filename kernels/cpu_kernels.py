@@ -56,6 +56,25 @@ template <> inline bf16 fromf<bf16>(float x) { return bf16(x); }  // round to ne
 // One elementwise op of torch in dtype T: computed in float, rounded to T.
 template <typename T> static inline float rnd(float x) { return tof(fromf<T>(x)); }
 
+// exp(x) for the softmax, where x <= 0: Cody-Waite reduction by ln 2 and the Cephes polynomial,
+// written so that GCC vectorizes the loop around it (std::exp stays a scalar call, which cost
+// more than the rest of the attention at batch 32). Within a few ulp of std::exp; NaN stays NaN.
+static inline float exp_le0(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  return p * __builtin_bit_cast(float, e << 23);
+}
+
 // ------------------------------------------------------------------------------------------
 // Decode attention.
 // One work item: request b, kv heads [h0, h1). Every K/V row is read once, contiguously for
@@ -85,7 +104,8 @@ static void attend(const float* qb, const T* kp, const T* vp, float* ob, const i
     float* row = scores.data() + j * L;
     float mx = -FLT_MAX, sum = 0.f;
     for (int64_t t = 0; t < L; ++t) mx = std::max(mx, row[t]);
-    for (int64_t t = 0; t < L; ++t) { row[t] = std::exp(row[t] - mx); sum += row[t]; }
+    for (int64_t t = 0; t < L; ++t) row[t] = exp_le0(row[t] - mx);
+    for (int64_t t = 0; t < L; ++t) sum += row[t];
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < L; ++t) row[t] *= inv;
   }
@@ -598,6 +618,43 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D] (float32); attends over req_to_token[row, :seq_len] of each request."""
     return load().decode_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, scale)
+
+
+# The operators below call the module directly when eager (a pybind call costs a few microseconds
+# less than a torch.ops dispatch, and a decode step makes dozens) and through torch.ops while
+# torch.compile traces, where they must be graph nodes. load() must have succeeded first.
+def _eager(name: str):
+    return getattr(_state["module"], name)
+
+
+def decode_attention_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                          k_buf: torch.Tensor, v_buf: torch.Tensor, out_loc: torch.Tensor, req_to_token: torch.Tensor,
+                          rows: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    """qkv [B, H + 2 Hkv, D] before RoPE -> attention output [B, H, D]; k/v roped and stored at out_loc."""
+    fn = torch.ops.radixray.decode_attention_rope if torch.compiler.is_compiling() else _eager("decode_attention_rope")
+    return fn(qkv, cos, sin, positions, k_buf, v_buf, out_loc, req_to_token, rows, seq_lens, num_heads, scale)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    fn = torch.ops.radixray.rms_norm if torch.compiler.is_compiling() else _eager("rms_norm")
+    return fn(x, w, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place); returns RMSNorm(residual) * w."""
+    fn = torch.ops.radixray.add_rms_norm if torch.compiler.is_compiling() else _eager("add_rms_norm")
+    return fn(x, residual, w, eps)
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) over W packed by gemm_pack: [M, n]."""
+    fn = torch.ops.radixray.gemm if torch.compiler.is_compiling() else _eager("gemm")
+    return fn(x, panels, bias, n)
+
+
+def argmax_rows(logits: torch.Tensor, ids: torch.Tensor, void_ids: torch.Tensor) -> None:
+    """Per row the argmax into ids, and into void_ids too, or -1 where the row is not finite."""
+    _eager("argmax_rows")(logits, ids, void_ids)
 
 
 def stream_read_bandwidth(nbytes: int, repeats: int = 5) -> float:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, register_backend
 from engine.forward_batch import ForwardBatch
 from engine.memory import KVCache, ReqToTokenPool
+from kernels import cpu_kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +37,6 @@ class TorchAttnBackend(AttentionBackend):
         self.cpu_decode = None
         buf = kv_cache.k[0]
         if buf.device.type == "cpu" and buf.dtype in (torch.float32, torch.bfloat16):
-            from kernels import cpu_kernels
-
             if cpu_kernels.load() is not None:
                 self.fused_rope_decode = self.cpu_graph_safe = True
                 if buf.dtype == torch.float32:
@@ -64,7 +63,7 @@ class TorchAttnBackend(AttentionBackend):
     def forward_decode_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, layer: int,
                             fb: ForwardBatch) -> torch.Tensor:
         heads = qkv.shape[1] - 2 * self.kv.k[layer].shape[1]
-        return torch.ops.radixray.decode_attention_rope(
+        return cpu_kernels.decode_attention_rope(
             qkv, cos, sin_signed, fb.positions, self.kv.k[layer], self.kv.v[layer], fb.out_cache_loc,
             self.req_to_token, fb.req_pool_indices, fb.seq_lens, heads, self.scale)
 

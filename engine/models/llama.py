@@ -21,6 +21,7 @@ from engine.models.layers import (
     rms_norm,
     row_blocks,
 )
+from kernels import cpu_kernels
 from kernels.cpu_linear import Linear, LinearKind
 
 
@@ -97,15 +98,15 @@ class LlamaForCausalLM(CausalLM):
         o-projection, then residual add and the next RMSNorm fused (twice), and the MLP: eight
         calls where the general path makes about twenty-five. This is what a CPU decode graph
         (engine/cpu_graph.py) compiles."""
-        ops, eps = torch.ops.radixray, self.cfg.rms_norm_eps
+        eps = self.cfg.rms_norm_eps
         residual = F.embedding(fb.input_ids, self.embed)  # a fresh tensor: updated in place below
         T = residual.shape[0]
-        x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        x = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
         cos, sin = self.rope.cos, self.rope.sin_signed
         for i, layer in enumerate(self.layers):
             o = attn.forward_decode_rope(layer.attn.unroped_qkv(x), cos, sin, i, fb)
-            x = ops.add_rms_norm(layer.attn.o_proj(o.view(T, self.q_size)), residual, layer.post_norm, eps)
+            x = cpu_kernels.add_rms_norm(layer.attn.o_proj(o.view(T, self.q_size)), residual, layer.post_norm, eps)
             y = layer.mlp(x) if self.mlp_comm is None else layer.mlp.split_forward(x, self.mlp_comm)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            x = ops.add_rms_norm(y, residual, after, eps)
+            x = cpu_kernels.add_rms_norm(y, residual, after, eps)
         return self.lm_head(x)
