@@ -124,13 +124,102 @@ static void attend(const float* qb, const T* kp, const T* vp, float* ob, const i
   }
 }
 
+#if defined(__AVX512F__)
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The 16 lane-sums of a[0..15], as one vector (lane j = sum of a[j]): a transpose-and-add tree,
+// 15 adds for 16 dot products instead of a horizontal reduction each.
+static inline __m512 sum16(__m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: a[i]'s halves summed; lanes 8-15: a[i + 8]'s
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], 0x44), _mm512_shuffle_ps(c[i], c[i + 2], 0xEE));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  // e holds the sums in a permuted lane order; put lane j's sum at j.
+  const __m512i order = _mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0);
+  return _mm512_permutexvar_ps(order, e);
+}
+
+// attend<> for head_dim D = 16 * DV (D in {64, 128}): per kv head, the scores of 16 tokens at a
+// time for each query head (one sum16 per 16 dot products), the softmax, then the values summed
+// into registers holding up to 4 query heads' outputs while the V rows stream by once per group.
+template <int DV, typename T>
+static void attend_vec(const float* qb, const T* kp, const T* vp, float* ob, const int32_t* slots, int64_t L,
+                       int64_t Hkv, int64_t G, int64_t h0, int64_t h1, float sc, std::vector<float>& scores) {
+  constexpr int64_t D = 16 * DV;
+  const int64_t nh = (h1 - h0) * G;
+  const int64_t Lp = (L + 15) & ~int64_t(15);
+  scores.resize(nh * Lp);
+  for (int64_t hk = h0; hk < h1; ++hk) {
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, L - t0);
+      const T* krow[16];  // a short last block repeats its last token (scores past L are unused)
+      for (int64_t j = 0; j < 16; ++j)
+        krow[j] = kp + (static_cast<int64_t>(slots[t0 + std::min(j, n - 1)]) * Hkv + hk) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hk * G + g;
+        const float* q = qb + h * D;
+        __m512 qv[DV], acc[16];
+        for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+        for (int j = 0; j < 16; ++j) {
+          acc[j] = _mm512_mul_ps(qv[0], load16(krow[j]));
+          for (int c = 1; c < DV; ++c) acc[j] = _mm512_fmadd_ps(qv[c], load16(krow[j] + 16 * c), acc[j]);
+        }
+        _mm512_storeu_ps(scores.data() + (h - h0 * G) * Lp + t0, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(sc)));
+      }
+    }
+  }
+  for (int64_t j = 0; j < nh; ++j) {
+    float* row = scores.data() + j * Lp;
+    float mx = -FLT_MAX, sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, row[t]);
+    for (int64_t t = 0; t < L; ++t) row[t] = exp_le0(row[t] - mx);
+    for (int64_t t = 0; t < L; ++t) sum += row[t];
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < L; ++t) row[t] *= inv;
+  }
+  for (int64_t hk = h0; hk < h1; ++hk) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t ng = std::min<int64_t>(4, G - g0);
+      __m512 o[4][DV];
+      for (int64_t g = 0; g < 4; ++g)
+        for (int c = 0; c < DV; ++c) o[g][c] = _mm512_setzero_ps();
+      const float* p = scores.data() + (hk * G + g0 - h0 * G) * Lp;
+      for (int64_t t = 0; t < L; ++t) {
+        const T* v = vp + (static_cast<int64_t>(slots[t]) * Hkv + hk) * D;
+        __m512 vv[DV];
+        for (int c = 0; c < DV; ++c) vv[c] = load16(v + 16 * c);
+        for (int64_t g = 0; g < ng; ++g) {
+          const __m512 pg = _mm512_set1_ps(p[g * Lp + t]);
+          for (int c = 0; c < DV; ++c) o[g][c] = _mm512_fmadd_ps(pg, vv[c], o[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < ng; ++g)
+        for (int c = 0; c < DV; ++c) _mm512_storeu_ps(ob + (hk * G + g0 + g) * D + 16 * c, o[g][c]);
+    }
+  }
+}
+#endif
+
 template <typename T>
 static void attend_any(const float* qb, const T* kp, const T* vp, float* ob, const int32_t* slots, int64_t L,
                        int64_t Hkv, int64_t G, int64_t h0, int64_t h1, float sc, std::vector<float>& scores,
                        int64_t D) {
   switch (D) {
+#if defined(__AVX512F__)
+    case 64: attend_vec<4, T>(qb, kp, vp, ob, slots, L, Hkv, G, h0, h1, sc, scores); break;
+    case 128: attend_vec<8, T>(qb, kp, vp, ob, slots, L, Hkv, G, h0, h1, sc, scores); break;
+#else
     case 64: attend<64, T>(qb, kp, vp, ob, slots, L, Hkv, G, h0, h1, sc, scores, D); break;
     case 128: attend<128, T>(qb, kp, vp, ob, slots, L, Hkv, G, h0, h1, sc, scores, D); break;
+#endif
     default: attend<0, T>(qb, kp, vp, ob, slots, L, Hkv, G, h0, h1, sc, scores, D);
   }
 }
@@ -433,7 +522,7 @@ static inline void gemm_micro(const float* x, int64_t ldx, const float* w, int64
 using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, int64_t,
                          bool, const float*);
 template <int NBK>
-static MicroFn micro_for(int64_t mb) {
+static MicroFn micro_upto6(int64_t mb) {
   switch (mb) {
     case 1: return gemm_micro<1, NBK>;
     case 2: return gemm_micro<2, NBK>;
@@ -443,8 +532,22 @@ static MicroFn micro_for(int64_t mb) {
     default: return gemm_micro<6, NBK>;
   }
 }
+template <int NBK>
+static MicroFn micro_upto12(int64_t mb) {
+  switch (mb) {
+    case 7: return gemm_micro<7, NBK>;
+    case 8: return gemm_micro<8, NBK>;
+    case 9: return gemm_micro<9, NBK>;
+    case 10: return gemm_micro<10, NBK>;
+    case 11: return gemm_micro<11, NBK>;
+    case 12: return gemm_micro<12, NBK>;
+    default: return micro_upto6<NBK>(mb);
+  }
+}
+// At most 24 accumulators: up to 6 rows x 4 panels, or up to 12 rows x 2 panels.
 static MicroFn micro(int64_t mb, int64_t nbk) {
-  return nbk == 4 ? micro_for<4>(mb) : nbk == 2 ? micro_for<2>(mb) : micro_for<1>(mb);
+  if (nbk == 4) return micro_upto6<4>(mb);
+  return nbk == 2 ? micro_upto12<2>(mb) : micro_upto12<1>(mb);
 }
 #endif
 
@@ -477,10 +580,24 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tenso
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = std::min(K, k0 + KC);
         const bool first = k0 == 0, last = k1 == K;
-        for (int64_t m = m0; m < m1; m += 6) {
-          const int64_t mb = std::min<int64_t>(6, m1 - m);
-          micro(mb, g)(xp + m * ldx, ldx, wb, K, k0, k1, yp + m * N + n0, N, nvalid, first,
-                       last && bp ? bp + n0 : nullptr);
+        // mb rows against the task's panels, `wide` panels per call (the rest two at a time).
+        auto rows = [&](int64_t m, int64_t mb, int64_t wide) {
+          for (int64_t j = 0; j < g;) {
+            const int64_t nbk = g - j >= wide ? wide : std::min<int64_t>(2, g - j);
+            micro(mb, nbk)(xp + m * ldx, ldx, wb + j * K * 16, K, k0, k1, yp + m * N + n0 + j * 16, N,
+                           nvalid - j * 16, first, last && bp ? bp + n0 + j * 16 : nullptr);
+            j += nbk;
+          }
+        };
+        for (int64_t m = m0; m < m1;) {
+          const int64_t rem = m1 - m;
+          if (rem > 6 && rem <= 12) {  // the last 7-12 rows in one pass over the weights
+            rows(m, rem, 2);
+            m += rem;
+          } else {
+            rows(m, std::min<int64_t>(6, rem), 4);
+            m += std::min<int64_t>(6, rem);
+          }
         }
       }
     }

@@ -125,8 +125,8 @@ needs_gemm = pytest.mark.skipif(not cpu_kernels.load().gemm_available(), reason=
 
 
 @needs_gemm
-@pytest.mark.parametrize("rows", [0, 1, 5, 13, 97, 300])
-@pytest.mark.parametrize("n, k", [(48, 40), (33, 70), (640, 384), (50, 800)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 8, 12, 13, 97, 300])
+@pytest.mark.parametrize("n, k", [(48, 40), (33, 70), (640, 384), (300, 64), (50, 800)])
 def test_gemm_matches_f_linear_and_ignores_the_batch(rows, n, k):
     g = torch.Generator().manual_seed(rows * 7 + n)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
