@@ -117,7 +117,7 @@ class ModelRunner:
         # Greedy ids of a plain greedy batch land here (the kernel's argmax), and go to the host
         # as a list at once, so the buffers are free for the next batch.
         self.greedy_ids = self.greedy_void = None
-        if not cuda and cpu_kernels.load() is not None:
+        if not cuda and self.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load() is not None:
             self.greedy_ids = torch.zeros(max_running + 1, dtype=torch.int64)
             self.greedy_void = torch.zeros(max_running + 1, dtype=torch.int64)
 

@@ -71,7 +71,7 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
         """Hidden states of the tokens at fb.last_token_indices -> logits [bs, vocab]."""
-        if attn.fused_rope_decode and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle()):
+        if getattr(attn, "fused_rope_decode", False) and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle()):
             return self.forward_decode(fb, attn)
         h = F.embedding(fb.input_ids, self.embed)
         cos, sin = self.rope(fb.positions)
