@@ -388,31 +388,37 @@ def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
     return out
 
 
-def decode_rates(path: str, bs: int, out_len: int, rounds: int, **engine_kwargs) -> dict[str, float]:
-    """One engine, `rounds` runs of bs requests (128-token prompts, out_len greedy tokens each, new
-    prompts every run): best decode tok/s and ms/step, best prefill tok/s, the graph compile time."""
+def decode_rates(path: str, bs: int, out_len: int, rounds: int, configs: dict[str, dict]) -> dict[str, dict]:
+    """Per config (engine kwargs), one engine; `rounds` alternating runs of bs requests (128-token
+    prompts, out_len greedy tokens each, new prompts every run), so that a busy machine's stalls
+    hit runs, not one side: best decode tok/s and ms/step, best prefill tok/s, compile seconds."""
     rng = random.Random(9)
-    eng = Engine(model_path=path, max_total_tokens=16384, max_running_requests=bs, **engine_kwargs)
-    vocab = eng.model_config.vocab_size
-    t0 = time.perf_counter()
-    eng.generate(input_ids=random_prompts(bs, 128, 128, vocab, rng), sampling_params=GREEDY_WARMUP)
-    warm = time.perf_counter() - t0
-    graphs = eng.model_runner.graph_runner
-    best = {"decode": 0.0, "step_ms": float("inf"), "prefill": 0.0, "warmup_s": warm,
-            "compile_s": sum(graphs.compile_seconds.values()) if graphs is not None else 0.0}
+    engines = {name: Engine(model_path=path, max_total_tokens=16384, max_running_requests=bs, **kw)
+               for name, kw in configs.items()}
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    out = {}
+    for name, eng in engines.items():  # warm-up: compiles the batch's graph where graphs are on
+        t0 = time.perf_counter()
+        eng.generate(input_ids=random_prompts(bs, 128, 128, vocab, rng), sampling_params=GREEDY_WARMUP)
+        graphs = eng.model_runner.graph_runner
+        out[name] = {"decode": 0.0, "step_ms": float("inf"), "prefill": 0.0, "warmup_s": time.perf_counter() - t0,
+                     "compile_s": sum(graphs.compile_seconds.values()) if graphs is not None else 0.0}
+        if graphs is not None and getattr(graphs, "failed", None):
+            print(f"roofline   {name}: graphs failed to compile: {graphs.failed}", flush=True)
     for _ in range(rounds):
-        eng.step_seconds.clear()
-        eng.step_count.clear()
-        run_engine(eng, random_prompts(bs, 128, 128, vocab, rng), [out_len] * bs)
-        steps, secs = eng.step_count["DECODE"], eng.step_seconds["DECODE"]
-        best["decode"] = max(best["decode"], bs * steps / secs)
-        best["step_ms"] = min(best["step_ms"], 1e3 * secs / steps)
-        best["prefill"] = max(best["prefill"], 128 * bs / eng.step_seconds["EXTEND"])
-    if graphs is not None and graphs.failed:
-        print(f"roofline   graphs failed to compile: {graphs.failed}", flush=True)
-    del eng
+        prompts = random_prompts(bs, 128, 128, vocab, rng)
+        for name, eng in engines.items():
+            eng.step_seconds.clear()
+            eng.step_count.clear()
+            run_engine(eng, prompts, [out_len] * bs)  # (each engine its own cache: no hits)
+            steps, secs = eng.step_count["DECODE"], eng.step_seconds["DECODE"]
+            best = out[name]
+            best["decode"] = max(best["decode"], bs * steps / secs)
+            best["step_ms"] = min(best["step_ms"], 1e3 * secs / steps)
+            best["prefill"] = max(best["prefill"], 128 * bs / eng.step_seconds["EXTEND"])
+    del engines
     gc.collect()
-    return best
+    return out
 
 
 def case_roofline_bs1(path: str, scale: float) -> None:
@@ -426,6 +432,7 @@ def case_roofline_bs1(path: str, scale: float) -> None:
           + f"  ({nbytes >> 20} MiB buffer, last-level cache {llc >> 20} MiB, best of 5, "
           f"{torch.get_num_threads()} threads)", flush=True)
     out_len, rounds = (128, 3) if scale >= 1 else (32, 1)
+    on_off = {"graphs": {}, "eager": {"disable_cpu_graph": True}}
     for dtype in ("float32", "bfloat16"):
         probe = Engine(model_path=path, dtype=dtype, max_total_tokens=4096, disable_cpu_graph=True)
         params = probe.model_runner.model.num_parameters()
@@ -437,25 +444,27 @@ def case_roofline_bs1(path: str, scale: float) -> None:
               f"{kind} linears: decode floor at batch 1 = {floor_ms:.2f} ms/step = {1e3 / floor_ms:,.0f} tok/s",
               flush=True)
         for bs in (1, 8, 32):
-            on = decode_rates(path, bs, out_len, rounds, dtype=dtype)
-            off = decode_rates(path, bs, out_len, rounds, dtype=dtype, disable_cpu_graph=True)
+            r = decode_rates(path, bs, out_len, rounds, {k: dict(v, dtype=dtype) for k, v in on_off.items()})
+            on, off = r["graphs"], r["eager"]
             extra = f"{floor_ms / on['step_ms']:.0%} of the bandwidth limit, " if bs == 1 else ""
             line("roofline", f"{dtype} bs={bs} graphs", on["decode"], "eager", off["decode"], "decode tok/s",
                  f"({on['step_ms']:.2f} vs {off['step_ms']:.2f} ms/step; {extra}compile {on['compile_s']:.1f} s; "
                  f"prefill {on['prefill']:,.0f} / {off['prefill']:,.0f} tok/s)")
-    prefill = {}
+    kinds = {}
     for kind in ("native", "onednn"):
         try:
-            prefill[kind] = decode_rates(path, 32, 2, rounds, linear_backend=kind, disable_cpu_graph=True)["prefill"]
+            Engine(model_path=path, linear_backend=kind, max_total_tokens=4096, disable_cpu_graph=True)
+            kinds[kind] = {"linear_backend": kind, "disable_cpu_graph": True}
         except Exception as e:  # noqa: BLE001 - a backend this machine lacks
             print(f"roofline   prefill with {kind} linears: unavailable ({e})", flush=True)
-    if len(prefill) == 2:
-        line("roofline", "prefill native", prefill["native"], "onednn", prefill["onednn"], "prompt tok/s",
+    if len(kinds) == 2:
+        r = decode_rates(path, 32, 2, rounds, kinds)
+        line("roofline", "prefill native", r["native"]["prefill"], "onednn", r["onednn"]["prefill"], "prompt tok/s",
              "(fp32, 32 x 128 tokens, one EXTEND batch; floor 1.0x)")
     tiny = cached_random_checkpoint("roofline-overhead-v1", llama_config(**OVERHEAD_ARCH), std=0.02)
     for bs in (1, 32):
-        on = decode_rates(tiny, bs, out_len, rounds)
-        off = decode_rates(tiny, bs, out_len, rounds, disable_cpu_graph=True)
+        r = decode_rates(tiny, bs, out_len, rounds, on_off)
+        on, off = r["graphs"], r["eager"]
         print(f"roofline   launch overhead per decode step, bs={bs} ({OVERHEAD_ARCH['num_hidden_layers']} layers "
               f"at hidden size 16: dispatch, no math): eager {off['step_ms']:.3f} ms  graphs {on['step_ms']:.3f} ms  "
               f"saved {off['step_ms'] - on['step_ms']:.3f} ms/step", flush=True)
