@@ -609,6 +609,121 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tenso
 }
 
 // ------------------------------------------------------------------------------------------
+// bfloat16 GEMM for the few rows of a decode step (AVX512-BF16's dot product of bf16 pairs into
+// float32): W packed as [ceil(N/16), K/2, 16, 2] (K even), y rounded to bf16 once at the end, as
+// oneDNN's does. oneDNN's own bf16 kernels are several times slower for a row or two here.
+bool gemm_bf16_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor gemm_pack_bf16(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.size(1) % 2 == 0,
+              "gemm_pack_bf16: bfloat16 [N, K] with K even");
+  auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), NB = (N + 15) / 16, K2 = K / 2;
+  auto out = torch::zeros({NB, K2, 16, 2}, wc.options());
+  const bf16* s = wc.data_ptr<bf16>();
+  bf16* d = out.data_ptr<bf16>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t j = 0; j < 16 && nb * 16 + j < N; ++j)
+        for (int64_t k = 0; k < K; ++k) d[((nb * K2 + k / 2) * 16 + j) * 2 + k % 2] = s[(nb * 16 + j) * K + k];
+  });
+  return out;
+}
+
+#if defined(__AVX512BF16__)
+template <int MB, int NBK>
+static void gemm_bf16_micro(const bf16* x, int64_t ldx, const bf16* w, int64_t K2, bf16* y, int64_t ldy,
+                            int64_t nvalid, const bf16* bias) {
+  __m512 acc[MB][NBK];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NBK; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K2; ++p) {
+    __m512bh wv[NBK];
+    for (int j = 0; j < NBK; ++j)
+      wv[j] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + (j * K2 + p) * 32));
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NBK; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+  for (int j = 0; j < NBK; ++j) {
+    const int64_t nv = nvalid - j * 16;
+    if (nv <= 0) break;
+    const __mmask16 mask = nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);
+    __m512 bv = _mm512_setzero_ps();
+    if (bias != nullptr) bv = load16(bias + j * 16);  // (reads 16 lanes: bias is padded by the caller)
+    for (int m = 0; m < MB; ++m) {
+      const __m512 r = bias != nullptr ? _mm512_add_ps(acc[m][j], bv) : acc[m][j];
+      _mm256_mask_storeu_epi16(reinterpret_cast<void*>(y + m * ldy + j * 16), mask, (__m256i)_mm512_cvtneps_pbh(r));
+    }
+  }
+}
+
+using MicroBf16 = void (*)(const bf16*, int64_t, const bf16*, int64_t, bf16*, int64_t, int64_t, const bf16*);
+template <int NBK>
+static MicroBf16 micro_bf16_for(int64_t mb) {
+  switch (mb) {
+    case 1: return gemm_bf16_micro<1, NBK>;
+    case 2: return gemm_bf16_micro<2, NBK>;
+    case 3: return gemm_bf16_micro<3, NBK>;
+    case 4: return gemm_bf16_micro<4, NBK>;
+    case 5: return gemm_bf16_micro<5, NBK>;
+    default: return gemm_bf16_micro<6, NBK>;
+  }
+}
+#endif
+
+torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t N) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && wp.scalar_type() == torch::kBFloat16,
+              "gemm_bf16: bfloat16 x [M, K]");
+  if (x.stride(1) != 1) x = x.contiguous();
+  const int64_t M = x.size(0), K2 = wp.size(1), NB = wp.size(0), ldx = x.stride(0);
+  TORCH_CHECK(x.size(1) == 2 * K2 && NB * 16 >= N, "gemm_bf16: packed weight does not match x");
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  torch::Tensor b;
+  if (bias.has_value()) {  // padded to whole panels, so the kernel reads 16 lanes anywhere
+    b = torch::zeros({NB * 16}, x.options());
+    b.narrow(0, 0, N).copy_(*bias);
+  }
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* w = wp.data_ptr<bf16>();
+  const bf16* bp = bias.has_value() ? b.data_ptr<bf16>() : nullptr;
+  bf16* yp = y.data_ptr<bf16>();
+  const int64_t nt = at::get_num_threads();
+  const int64_t G = NB >= 8 * nt ? 4 : (NB >= 4 * nt ? 2 : 1);
+  const int64_t NG = (NB + G - 1) / G;
+  at::parallel_for(0, NG, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t ng = t0; ng < t1; ++ng) {
+      const int64_t nb = ng * G, g = std::min(G, NB - nb), n0 = nb * 16, nvalid = std::min(g * 16, N - n0);
+      for (int64_t j = 0; j < g;) {
+        const int64_t nbk = g - j >= 4 ? 4 : (g - j >= 2 ? 2 : 1);
+        for (int64_t m = 0; m < M; m += 6) {
+          const int64_t mb = std::min<int64_t>(6, M - m);
+          MicroBf16 fn = nbk == 4 ? micro_bf16_for<4>(mb) : nbk == 2 ? micro_bf16_for<2>(mb) : micro_bf16_for<1>(mb);
+          fn(xp + m * ldx, ldx, w + (nb + j) * K2 * 32, K2, yp + m * N + n0 + j * 16, N, nvalid - j * 16,
+             bp ? bp + n0 + j * 16 : nullptr);
+        }
+        j += nbk;
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "gemm_bf16: this build has no AVX512-BF16");
+#endif
+}
+
+// ------------------------------------------------------------------------------------------
 TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("decode_attention_rope(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_buf, "
         "Tensor(b!) v_buf, Tensor out_loc, Tensor req_to_token, Tensor rows, Tensor seq_lens, int num_heads, "
@@ -617,6 +732,7 @@ TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
   m.def("argmax_rows(Tensor logits, Tensor(a!) ids, Tensor(b!) void_ids) -> ()");
   m.def("gemm(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
@@ -625,6 +741,7 @@ TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("gemm", &gemm);
+  m.impl("gemm_bf16", &gemm_bf16);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -637,6 +754,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_available", &gemm_available, "the AVX-512 GEMM is built");
   m.def("gemm_pack", &gemm_pack, "pack W [N, K] into 16-column panels");
   m.def("gemm", &gemm, "x @ W^T (+ bias) over packed W");
+  m.def("gemm_bf16_available", &gemm_bf16_available, "the AVX512-BF16 GEMM is built");
+  m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack bf16 W [N, K] into 16-column panels of k pairs");
+  m.def("gemm_bf16", &gemm_bf16, "x @ W^T (+ bias), bfloat16, over packed W");
 }
 """
 
@@ -730,6 +850,10 @@ def _register_fakes() -> None:
     def _(x, w, bias, n):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("radixray::gemm_bf16")
+    def _(x, w, bias, n):
+        return x.new_empty(x.shape[0], n)
+
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -766,6 +890,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: 
 def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) over W packed by gemm_pack: [M, n]."""
     fn = torch.ops.radixray.gemm if torch.compiler.is_compiling() else _eager("gemm")
+    return fn(x, panels, bias, n)
+
+
+def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """bfloat16 x [M, K] @ W^T (+ bias) over W packed by gemm_pack_bf16: [M, n]."""
+    fn = torch.ops.radixray.gemm_bf16 if torch.compiler.is_compiling() else _eager("gemm_bf16")
     return fn(x, panels, bias, n)
 
 

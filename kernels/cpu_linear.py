@@ -24,8 +24,11 @@ from kernels import cpu_kernels
 
 LinearKind = Literal["torch", "onednn", "native"]
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# oneDNN's bfloat16 kernels are several times slower for one row than for four here: a one-row
-# input is padded to this many.
+# oneDNN's bfloat16 kernels are several times slower for one to three rows (with two threads)
+# than for four, and faster than the project's from four rows on (AMX): a oneDNN bfloat16 linear
+# also keeps the project's bfloat16 panels (AVX512-BF16) for inputs of up to NATIVE_BF16_MAX_ROWS
+# rows, or, where that kernel is not built, pads them to ONEDNN_BF16_MIN_ROWS.
+NATIVE_BF16_MAX_ROWS = 3
 ONEDNN_BF16_MIN_ROWS = 4
 
 
@@ -42,7 +45,7 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) 
 class Linear:
     """y = x @ W.T + b. Holds one copy of the weight: dense (torch) or packed (oneDNN, native)."""
 
-    __slots__ = ("weight", "bias", "packed", "panels", "out_features", "in_features", "pad_rows")
+    __slots__ = ("weight", "bias", "packed", "panels", "panel_rows", "out_features", "in_features", "pad_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = False,
                  kind: LinearKind | None = None) -> None:
@@ -52,17 +55,24 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if kind == "onednn" else None
-        self.panels = cpu_kernels.load().gemm_pack(weight) if kind == "native" else None
         self.weight = weight if kind == "torch" else None
-        self.pad_rows = ONEDNN_BF16_MIN_ROWS if kind == "onednn" and weight.dtype == torch.bfloat16 else 0
+        self.panels, self.panel_rows, self.pad_rows = None, 0, 0
+        if kind == "native":
+            self.panels, self.panel_rows = cpu_kernels.load().gemm_pack(weight), 1 << 62
+        elif kind == "onednn" and weight.dtype == torch.bfloat16:
+            if native_bf16_works(weight.shape[1]):
+                self.panels, self.panel_rows = cpu_kernels.load().gemm_pack_bf16(weight), NATIVE_BF16_MAX_ROWS
+            else:
+                self.pad_rows = ONEDNN_BF16_MIN_ROWS
 
     @property
     def kind(self) -> LinearKind:
-        return "native" if self.panels is not None else "onednn" if self.packed is not None else "torch"
+        return "onednn" if self.packed is not None else "native" if self.panels is not None else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
-            return cpu_kernels.gemm(x, self.panels, self.bias, self.out_features)
+        if self.panels is not None and x.shape[0] <= self.panel_rows:
+            gemm = cpu_kernels.gemm if self.panels.dtype == torch.float32 else cpu_kernels.gemm_bf16
+            return gemm(x, self.panels, self.bias, self.out_features)
         if self.packed is not None:
             rows = x.shape[0]
             if 0 < rows < self.pad_rows:
@@ -91,6 +101,12 @@ def native_linear_works(dtype: torch.dtype) -> bool:
     if dtype != torch.float32 or mod is None or not mod.gemm_available():
         return False
     return _probe("native", dtype)
+
+
+def native_bf16_works(in_features: int) -> bool:
+    """The project's bfloat16 decode GEMM is built here (AVX512-BF16) and takes this K (even)."""
+    mod = cpu_kernels.load()
+    return in_features % 2 == 0 and mod is not None and mod.gemm_bf16_available()
 
 
 def _probe(kind: LinearKind, dtype: torch.dtype) -> bool:
