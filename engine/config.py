@@ -70,8 +70,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     enable_mixed_chunk: bool = False
     enable_overlap: bool = False
     attention_backend: AttentionBackendName = "torch"
-    # CPU linears: "native" (the project's AVX-512 GEMM, float32), "onednn" (prepacked oneDNN),
-    # "torch" (F.linear); auto: native where it works, else oneDNN, else torch.
+    # CPU linears: "native" (the project's GEMM: float32 on AVX-512; bfloat16 on AVX512-BF16 for
+    # 1-3 rows, beside oneDNN's weight for more), "onednn" (prepacked oneDNN), "torch" (F.linear);
+    # auto: native where it works, else oneDNN, else torch.
     linear_backend: LinearBackend = "auto"
     disable_cuda_graph: bool = False  # decode/IDLE graphs on CUDA (with a graph-safe backend)
     # Decode graphs on the CPU: the decode forward compiled with torch.compile once per batch-size

@@ -41,7 +41,8 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
 
 def resolve_linear(backend: str, device: torch.device, dtype: torch.dtype) -> LinearKind:
     """Resolve EngineConfig.linear_backend to a kernels.cpu_linear kind: 'auto' is the project's
-    GEMM on the CPU where it works (float32, AVX-512), else oneDNN where it works, else torch."""
+    GEMM on the CPU where it works (float32 with AVX-512; bfloat16 with AVX512-BF16, beside
+    oneDNN), else oneDNN where it works, else torch."""
     if backend == "torch":
         return "torch"
     if device.type != "cpu":
@@ -51,7 +52,8 @@ def resolve_linear(backend: str, device: torch.device, dtype: torch.dtype) -> Li
     works = {"native": native_linear_works, "onednn": onednn_linear_works}
     if backend != "auto":
         if not works[backend](dtype):
-            what = "needs float32 and a CPU with AVX-512" if backend == "native" else "is unavailable"
+            what = ("needs float32 and AVX-512, or bfloat16 and AVX512-BF16" if backend == "native"
+                    else "is unavailable")
             raise ConfigError(f"linear_backend={backend!r} {what} for {dtype} in this build (use 'torch' or 'auto')")
         return backend
     return next((kind for kind in ("native", "onednn") if works[kind](dtype)), "torch")

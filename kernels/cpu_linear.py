@@ -2,16 +2,18 @@
 
 torch's `F.linear` on an x86 CPU calls MKL's sgemm, which takes a slow code path on non-Intel
 CPUs: on an AMD EPYC oneDNN, with the weight reordered once at load time, runs the same fp32
-GEMMs 2.4-2.6x faster (`python -m engine.bench --case linear`). The project's GEMM
-(`kernels.cpu_kernels`, float32 on CPUs with AVX-512) is faster again at the row counts of a
-decode step, where a linear is a stream over its weight, and matches oneDNN at prefill sizes;
-its results do not depend on the batch size. Each Linear keeps only its packed copy and falls
-back to `F.linear` wherever neither is available.
+GEMMs 2.4-2.6x faster (`python -m engine.bench --case linear`). The project's float32 GEMM
+(`kernels.cpu_kernels`, CPUs with AVX-512) is faster again at the row counts of a decode step,
+where a linear is a stream over its weight, and about even at prefill sizes; its results do not
+depend on the batch size.
 
 Kinds: "torch" (F.linear over the dense weight), "onednn" (oneDNN's packed weight), "native"
-(the project's GEMM over 16-column panels). Inside `torch.compile` both packed kinds are opaque
-operators (`torch.ops.radixray.gemm`, `radixray::onednn_linear`): inductor's own lowering of
-oneDNN's linear expects weights it packed itself."""
+(float32: the project's GEMM over 16-column panels, one copy; bfloat16: the project's AVX512-BF16
+kernel for up to NATIVE_BF16_MAX_ROWS rows beside oneDNN's packed weight for more, two copies:
+oneDNN's bfloat16 kernels are several times slower for one to three rows than for four, and
+faster than any of ours from four on, with AMX). Inside `torch.compile` the packed kinds are
+opaque operators (`torch.ops.radixray.gemm*`, `radixray::onednn_linear`): inductor's own
+lowering of oneDNN's linear expects weights it packed itself."""
 
 from __future__ import annotations
 
@@ -24,12 +26,8 @@ from kernels import cpu_kernels
 
 LinearKind = Literal["torch", "onednn", "native"]
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# oneDNN's bfloat16 kernels are several times slower for one to three rows (with two threads)
-# than for four, and faster than the project's from four rows on (AMX): a oneDNN bfloat16 linear
-# also keeps the project's bfloat16 panels (AVX512-BF16) for inputs of up to NATIVE_BF16_MAX_ROWS
-# rows, or, where that kernel is not built, pads them to ONEDNN_BF16_MIN_ROWS.
-NATIVE_BF16_MAX_ROWS = 3
-ONEDNN_BF16_MIN_ROWS = 4
+NATIVE_BF16_MAX_ROWS = 3  # a "native" bfloat16 linear's own kernel takes up to this many rows
+ONEDNN_BF16_MIN_ROWS = 4  # a oneDNN bfloat16 linear pads fewer rows to this many
 
 
 @torch.library.custom_op("radixray::onednn_linear", mutates_args=())
@@ -54,20 +52,21 @@ class Linear:
             raise ValueError(f"unknown linear kind {kind!r}")
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if kind == "onednn" else None
-        self.weight = weight if kind == "torch" else None
+        bf16 = weight.dtype == torch.bfloat16
         self.panels, self.panel_rows, self.pad_rows = None, 0, 0
-        if kind == "native":
+        if kind == "native" and not bf16:
             self.panels, self.panel_rows = cpu_kernels.load().gemm_pack(weight), 1 << 62
-        elif kind == "onednn" and weight.dtype == torch.bfloat16:
-            if native_bf16_works(weight.shape[1]):
-                self.panels, self.panel_rows = cpu_kernels.load().gemm_pack_bf16(weight), NATIVE_BF16_MAX_ROWS
-            else:
-                self.pad_rows = ONEDNN_BF16_MIN_ROWS
+        elif kind == "native" and self.in_features % 2 == 0:
+            self.panels, self.panel_rows = cpu_kernels.load().gemm_pack_bf16(weight), NATIVE_BF16_MAX_ROWS
+        onednn = kind == "onednn" or (kind == "native" and bf16)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None
+        if onednn and bf16 and self.panels is None:
+            self.pad_rows = ONEDNN_BF16_MIN_ROWS
+        self.weight = weight if kind == "torch" else None
 
     @property
     def kind(self) -> LinearKind:
-        return "onednn" if self.packed is not None else "native" if self.panels is not None else "torch"
+        return "native" if self.panels is not None else "onednn" if self.packed is not None else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None and x.shape[0] <= self.panel_rows:
@@ -96,17 +95,16 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
 
 
 def native_linear_works(dtype: torch.dtype) -> bool:
-    """The project's GEMM is built here (float32, a CPU with AVX-512) and matches F.linear on a probe."""
+    """The project's GEMM is built here (float32: AVX-512; bfloat16: AVX512-BF16, beside oneDNN)
+    and matches F.linear on a probe."""
     mod = cpu_kernels.load()
-    if dtype != torch.float32 or mod is None or not mod.gemm_available():
+    if mod is None or dtype not in _ONEDNN_DTYPES:
+        return False
+    if dtype == torch.float32 and not mod.gemm_available():
+        return False
+    if dtype == torch.bfloat16 and not (mod.gemm_bf16_available() and onednn_linear_works(dtype)):
         return False
     return _probe("native", dtype)
-
-
-def native_bf16_works(in_features: int) -> bool:
-    """The project's bfloat16 decode GEMM is built here (AVX512-BF16) and takes this K (even)."""
-    mod = cpu_kernels.load()
-    return in_features % 2 == 0 and mod is not None and mod.gemm_bf16_available()
 
 
 def _probe(kind: LinearKind, dtype: torch.dtype) -> bool:

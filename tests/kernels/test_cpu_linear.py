@@ -47,28 +47,32 @@ def test_native_matches_f_linear(rows, bias):
 
 
 @pytest.mark.skipif(not onednn_linear_works(torch.bfloat16), reason="no bfloat16 oneDNN linear in this build")
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 16, 17, 40])
+@pytest.mark.parametrize("kind", ["onednn", "native"])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 7, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_onednn_bf16_few_rows(rows, bias):
-    """oneDNN's bfloat16 GEMM is many times slower for one to three rows than for four: such a
-    linear keeps the project's bfloat16 panels for a decode step's rows (AVX512-BF16), or pads
-    fewer than four rows. Either way the result is oneDNN's, within bfloat16 rounding."""
-    from kernels.cpu_linear import NATIVE_BF16_MAX_ROWS, native_bf16_works
+def test_bf16_linears_few_and_many_rows(kind, rows, bias):
+    """oneDNN's bfloat16 GEMM is several times slower for one to three rows than for four: a
+    "native" bfloat16 linear runs those rows in the project's kernel (AVX512-BF16) and keeps
+    oneDNN's weight for more; a "onednn" one pads them to four. Both give oneDNN's result within
+    bfloat16 rounding."""
+    from kernels.cpu_linear import NATIVE_BF16_MAX_ROWS
 
+    if kind == "native" and not native_linear_works(torch.bfloat16):
+        pytest.skip("no AVX512-BF16 here")
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(80, 64, generator=gen).bfloat16()
     b = torch.randn(80, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, 64, generator=gen).bfloat16()
-    lin = Linear(w, b, kind="onednn")
-    assert (lin.panels is not None) == native_bf16_works(64) and lin.kind == "onednn"
-    assert lin.pad_rows == (0 if lin.panels is not None else 4)
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    lin = Linear(w, b, kind=kind)
+    assert lin.kind == kind and lin.packed is not None and (lin.panels is not None) == (kind == "native")
+    assert lin.pad_rows == (0 if kind == "native" else 4)
     got = lin(x)
     assert got.shape == (rows, 80) and got.dtype == torch.bfloat16
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
     torch.testing.assert_close(got.float(), want, atol=0.07, rtol=1e-2)
-    if lin.panels is not None and 0 < rows <= NATIVE_BF16_MAX_ROWS:
-        torch.testing.assert_close(got, lin(torch.cat([x, x.new_zeros(NATIVE_BF16_MAX_ROWS + 1, 64)]))[:rows],
-                                   atol=0.07, rtol=1e-2)  # oneDNN's own rows
+    if 0 < rows <= NATIVE_BF16_MAX_ROWS:  # against oneDNN's own rows
+        many = lin(torch.cat([x, x.new_zeros(NATIVE_BF16_MAX_ROWS + 1, 64)]))[:rows]
+        torch.testing.assert_close(got, many, atol=0.07, rtol=1e-2)
 
 
 def test_torch_linear_is_f_linear():
@@ -83,8 +87,9 @@ def test_backend_selection():
     assert use_onednn("torch", cpu, torch.float32) is False
     native, onednn = native_linear_works(torch.float32), onednn_linear_works(torch.float32)
     assert resolve_linear("auto", cpu, torch.float32) == ("native" if native else "onednn" if onednn else "torch")
-    assert resolve_linear("auto", cpu, torch.bfloat16) == ("onednn" if onednn_linear_works(torch.bfloat16)
-                                                           else "torch")  # no native bf16 GEMM
+    bf16 = "native" if native_linear_works(torch.bfloat16) else "onednn" if onednn_linear_works(torch.bfloat16) \
+        else "torch"
+    assert resolve_linear("auto", cpu, torch.bfloat16) == bf16
     assert resolve_linear("auto", cpu, torch.float16) == "torch"  # no packed fp16 path: F.linear
     assert resolve_linear("auto", torch.device("cuda"), torch.bfloat16) == "torch"
     for backend in ("onednn", "native"):
@@ -93,6 +98,6 @@ def test_backend_selection():
     with pytest.raises(ConfigError, match="float16"):
         use_onednn("onednn", cpu, torch.float16)
     with pytest.raises(ConfigError, match="AVX-512"):
-        resolve_linear("native", cpu, torch.bfloat16)
+        resolve_linear("native", cpu, torch.float16)
     with pytest.raises(ConfigError, match="linear_backend"):
         EngineConfig(linear_backend="mkl")
