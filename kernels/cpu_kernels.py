@@ -401,22 +401,49 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 // ------------------------------------------------------------------------------------------
 // Greedy sampling: per row the first index of the maximum into ids; the same into void_ids, or
 // -1 where the maximum is not finite (NaN or +inf anywhere, or every logit -inf).
+// One row: the maximum (NaN anywhere -> NaN) with 16-lane vectors, then its first index.
+template <typename T>
+static void argmax_row(const T* row, int64_t V, int64_t* id, int64_t* void_id) {
+  float best = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  __mmask16 unordered = 0;
+  for (; i + 16 <= V; i += 16) {
+    const __m512 v = load16(row + i);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, v);
+  }
+  best = _mm512_reduce_max_ps(mx);
+  nan = unordered != 0;
+#endif
+  for (; i < V; ++i) {
+    const float v = tof(row[i]);
+    nan |= std::isnan(v);
+    best = std::max(best, v);
+  }
+  int64_t arg = 0;
+  if (!nan) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 target = _mm512_set1_ps(best);
+    for (; j + 16 <= V; j += 16) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(load16(row + j), target, _CMP_EQ_OQ);
+      if (hit) break;
+    }
+#endif
+    while (j < V && tof(row[j]) != best) ++j;
+    arg = j < V ? j : 0;
+  }
+  *id = arg;
+  *void_id = (nan || !std::isfinite(best)) ? -1 : arg;
+}
+
 template <typename T>
 static void argmax_impl(const T* lp, int64_t B, int64_t V, int64_t ld, int64_t* ids, int64_t* void_ids) {
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const T* row = lp + b * ld;
-      float best = -INFINITY;
-      int64_t arg = 0;
-      bool nan = false;
-      for (int64_t i = 0; i < V; ++i) {
-        const float v = tof(row[i]);
-        if (v > best) { best = v; arg = i; }
-        nan |= std::isnan(v);
-      }
-      ids[b] = arg;
-      void_ids[b] = (nan || !std::isfinite(best)) ? -1 : arg;
-    }
+    for (int64_t b = b0; b < b1; ++b) argmax_row<T>(lp + b * ld, V, ids + b, void_ids + b);
   });
 }
 
