@@ -142,3 +142,18 @@ def test_graphs_off_where_they_cannot_run(model_dirs, monkeypatch):
     assert ModelRunner(EngineConfig(model_path=path), path, mlp_shard=(0, 2)).graph_runner is None
     monkeypatch.setenv("RADIXRAY_CPU_GRAPHS", "0")
     assert Engine(model_path=path).model_runner.graph_runner is None
+
+
+def test_bfloat16_graphs_match_bfloat16_eager(model_dirs):
+    """bfloat16 decode through graphs: the same kernels as eager (one row: the project's bfloat16
+    GEMM; five rows, padded to eight: oneDNN's, an opaque custom op in the graph), so the same tokens."""
+    path = model_dirs["llama"]
+    eager = Engine(model_path=path, dtype="bfloat16", disable_cpu_graph=True)
+    eng = graph_engine(path, dtype="bfloat16")
+    for n in (1, 5):
+        ids = prompts(eng, n, seed=36 + n)
+        want = eager.generate(input_ids=ids, sampling_params=GREEDY)
+        assert [o.token_ids for o in eng.generate(input_ids=ids, sampling_params=GREEDY)] == \
+            [o.token_ids for o in want]
+    assert_graphs_ran(eng)
+    assert set(eng.model_runner.graph_runner.compiled) >= {1, 8}
