@@ -17,6 +17,13 @@ Cases (same machine, same weights, float32, greedy, ignore_eos):
               RADIXRAY_TEST_DATA or --stories DIR). Decode tokens/s, acceptance, mean accepted length.
   structured  JSON-schema-constrained vs unconstrained greedy decoding at batch 32 (the same tokens
               per request); per installed grammar backend: schema compile and per-step mask time.
+  roofline_bs1  decode against the memory roofline, on a 21.7M-parameter Llama (87 MB of fp32
+              weights): this machine's read bandwidth (best streaming read of a buffer 4x the last-
+              level cache: a torch reduction and the project's C++ kernel with every thread), the
+              decode floor (weight bytes / bandwidth), decode tok/s at batch 1, 8 and 32 with the CPU
+              decode graphs on and off (fp32 and bf16), prefill tok/s (the project's GEMM vs
+              oneDNN), and the CPU-side launch overhead of a decode step (the same layers at
+              hidden size 16: all dispatch, no math), which is what graphs save on a GPU too.
 `--quick` shrinks every workload (a smoke run, not a measurement to quote).
 """
 
@@ -38,6 +45,13 @@ from kernels.cpu_linear import Linear, onednn_linear_works
 BENCH_ARCH = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
                   tie_word_embeddings=True)
+# roofline_bs1: 21.7M parameters, 87 MB in fp32 (12.3M of them the tied embedding / lm_head).
+ROOFLINE_ARCH = dict(vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048,
+                     tie_word_embeddings=True)
+# The same layers with almost no math: a decode step of it is the per-step dispatch cost.
+OVERHEAD_ARCH = dict(ROOFLINE_ARCH, vocab_size=256, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                     num_key_value_heads=1)
 
 
 def bench_model_path() -> str:
@@ -342,8 +356,123 @@ def case_structured(path: str, scale: float) -> None:
 GREEDY_WARMUP = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
 
 
+def llc_bytes() -> int:
+    """The largest cache of CPU 0 (sysfs: the last level), or 32 MiB when sysfs says nothing."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
+    """Best-of-`repeats` bytes/s reading a float32 buffer of `nbytes` once: a torch reduction and
+    the project's C++ streaming read with every thread."""
+    from kernels import cpu_kernels
+
+    buf = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    out = {"torch_sum": buf.numel() * 4 / best}
+    del buf
+    if cpu_kernels.load() is not None:
+        out["cpp_stream"] = cpu_kernels.stream_read_bandwidth(nbytes, repeats)
+    return out
+
+
+def decode_rates(path: str, bs: int, out_len: int, rounds: int, configs: dict[str, dict]) -> dict[str, dict]:
+    """Per config (engine kwargs), one engine; `rounds` alternating runs of bs requests (128-token
+    prompts, out_len greedy tokens each, new prompts every run), so that a busy machine's stalls
+    hit runs, not one side: best decode tok/s and ms/step, best prefill tok/s, compile seconds."""
+    rng = random.Random(9)
+    engines = {name: Engine(model_path=path, max_total_tokens=16384, max_running_requests=bs, **kw)
+               for name, kw in configs.items()}
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    out = {}
+    for name, eng in engines.items():  # warm-up: compiles the batch's graph where graphs are on
+        t0 = time.perf_counter()
+        eng.generate(input_ids=random_prompts(bs, 128, 128, vocab, rng), sampling_params=GREEDY_WARMUP)
+        graphs = eng.model_runner.graph_runner
+        out[name] = {"decode": 0.0, "step_ms": float("inf"), "prefill": 0.0, "warmup_s": time.perf_counter() - t0,
+                     "compile_s": sum(graphs.compile_seconds.values()) if graphs is not None else 0.0}
+        if graphs is not None and getattr(graphs, "failed", None):
+            print(f"roofline   {name}: graphs failed to compile: {graphs.failed}", flush=True)
+    for _ in range(rounds):
+        prompts = random_prompts(bs, 128, 128, vocab, rng)
+        for name, eng in engines.items():
+            eng.step_seconds.clear()
+            eng.step_count.clear()
+            run_engine(eng, prompts, [out_len] * bs)  # (each engine its own cache: no hits)
+            steps, secs = eng.step_count["DECODE"], eng.step_seconds["DECODE"]
+            best = out[name]
+            best["decode"] = max(best["decode"], bs * steps / secs)
+            best["step_ms"] = min(best["step_ms"], 1e3 * secs / steps)
+            best["prefill"] = max(best["prefill"], 128 * bs / eng.step_seconds["EXTEND"])
+    del engines
+    gc.collect()
+    return out
+
+
+def case_roofline_bs1(path: str, scale: float) -> None:
+    """Decode against the memory roofline: bandwidth, floor, graphs on/off at batch 1, 8, 32."""
+    path = cached_random_checkpoint("roofline-llama-22m-v1", llama_config(**ROOFLINE_ARCH), std=0.02)
+    llc = llc_bytes()
+    nbytes = max(1 << 30, 4 * llc) if scale >= 1 else max(256 << 20, 2 * llc)
+    bw = read_bandwidth(nbytes)
+    bandwidth = max(bw.values())
+    print("roofline   read bandwidth: " + "  ".join(f"{k}={v / 1e9:.1f} GB/s" for k, v in bw.items())
+          + f"  ({nbytes >> 20} MiB buffer, last-level cache {llc >> 20} MiB, best of 5, "
+          f"{torch.get_num_threads()} threads)", flush=True)
+    out_len, rounds = (128, 3) if scale >= 1 else (32, 1)
+    on_off = {"graphs": {}, "eager": {"disable_cpu_graph": True}}
+    for dtype in ("float32", "bfloat16"):
+        probe = Engine(model_path=path, dtype=dtype, max_total_tokens=4096, disable_cpu_graph=True)
+        params = probe.model_runner.model.num_parameters()
+        kind = probe.model_runner.linear_kind
+        del probe
+        weight_bytes = params * (4 if dtype == "float32" else 2)
+        floor_ms = 1e3 * weight_bytes / bandwidth
+        print(f"roofline   {dtype}: {params / 1e6:.1f}M params, {weight_bytes / 1e6:.1f} MB of weights, "
+              f"{kind} linears: decode floor at batch 1 = {floor_ms:.2f} ms/step = {1e3 / floor_ms:,.0f} tok/s",
+              flush=True)
+        for bs in (1, 8, 32):
+            r = decode_rates(path, bs, out_len, rounds, {k: dict(v, dtype=dtype) for k, v in on_off.items()})
+            on, off = r["graphs"], r["eager"]
+            extra = f"{floor_ms / on['step_ms']:.0%} of the bandwidth limit, " if bs == 1 else ""
+            line("roofline", f"{dtype} bs={bs} graphs", on["decode"], "eager", off["decode"], "decode tok/s",
+                 f"({on['step_ms']:.2f} vs {off['step_ms']:.2f} ms/step; {extra}compile {on['compile_s']:.1f} s; "
+                 f"prefill {on['prefill']:,.0f} / {off['prefill']:,.0f} tok/s)")
+    kinds = {}
+    for kind in ("native", "onednn"):
+        try:
+            Engine(model_path=path, linear_backend=kind, max_total_tokens=4096, disable_cpu_graph=True)
+            kinds[kind] = {"linear_backend": kind, "disable_cpu_graph": True}
+        except Exception as e:  # noqa: BLE001 - a backend this machine lacks
+            print(f"roofline   prefill with {kind} linears: unavailable ({e})", flush=True)
+    if len(kinds) == 2:
+        r = decode_rates(path, 32, 2, rounds, kinds)
+        line("roofline", "prefill native", r["native"]["prefill"], "onednn", r["onednn"]["prefill"], "prompt tok/s",
+             "(fp32, 32 x 128 tokens, one EXTEND batch; floor 1.0x)")
+    tiny = cached_random_checkpoint("roofline-overhead-v1", llama_config(**OVERHEAD_ARCH), std=0.02)
+    for bs in (1, 32):
+        r = decode_rates(tiny, bs, out_len, rounds, on_off)
+        on, off = r["graphs"], r["eager"]
+        print(f"roofline   launch overhead per decode step, bs={bs} ({OVERHEAD_ARCH['num_hidden_layers']} layers "
+              f"at hidden size 16: dispatch, no math): eager {off['step_ms']:.3f} ms  graphs {on['step_ms']:.3f} ms  "
+              f"saved {off['step_ms'] - on['step_ms']:.3f} ms/step", flush=True)
+
+
 CASES = {"mixed": case_mixed, "prefill": case_prefill, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
-         "overlap": case_overlap, "linear": case_linear, "spec": case_spec, "structured": case_structured}
+         "overlap": case_overlap, "linear": case_linear, "spec": case_spec, "structured": case_structured,
+         "roofline_bs1": case_roofline_bs1}
 
 
 def main(argv: list[str] | None = None) -> None:

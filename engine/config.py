@@ -14,7 +14,7 @@ from engine.errors import ConfigError
 SchedulePolicy = Literal["fcfs", "lpm"]
 SpeculativeAlgorithm = Literal["ngram"]
 AttentionBackendName = Literal["torch", "triton", "flash_attn"]
-LinearBackend = Literal["auto", "onednn", "torch"]
+LinearBackend = Literal["auto", "native", "onednn", "torch"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 MoeSplit = Literal["experts", "intermediate"]
 MoeDispatch = Literal["gather", "all_to_all"]
@@ -70,9 +70,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     enable_mixed_chunk: bool = False
     enable_overlap: bool = False
     attention_backend: AttentionBackendName = "torch"
-    linear_backend: LinearBackend = "auto"  # auto: oneDNN with prepacked weights on the CPU, else torch
+    # CPU linears: "native" (the project's GEMM: float32 on AVX-512; bfloat16 on AVX512-BF16 for
+    # 1-3 rows, beside oneDNN's weight for more), "onednn" (prepacked oneDNN), "torch" (F.linear);
+    # auto: native where it works, else oneDNN, else torch.
+    linear_backend: LinearBackend = "auto"
     disable_cuda_graph: bool = False  # decode/IDLE graphs on CUDA (with a graph-safe backend)
-    cuda_graph_max_bs: int = 64
+    # Decode graphs on the CPU: the decode forward compiled with torch.compile once per batch-size
+    # bucket (the CUDA-graph ladder), lazily, the first time a bucket runs (engine/cpu_graph.py).
+    # RADIXRAY_CPU_GRAPHS=0 in the environment turns them off for the whole process.
+    disable_cpu_graph: bool = False
+    cuda_graph_max_bs: int = 64  # the largest batch of the graph ladder (CUDA and CPU graphs)
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001

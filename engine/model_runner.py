@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.attention import create_attention_backend
@@ -13,7 +15,8 @@ from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.models import build_model
 from engine.sampling import SampleResult, sample_on_device
 from engine.speculative import VerifyResult, verify
-from kernels.cpu_linear import onednn_linear_works
+from kernels import cpu_kernels
+from kernels.cpu_linear import LinearKind, native_linear_works, onednn_linear_works
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 256 << 20  # default KV pool on CPU when max_total_tokens is not set
@@ -36,17 +39,40 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
     return _DTYPES.get(model_cfg.torch_dtype.replace("torch.", ""), torch.bfloat16)
 
 
+def resolve_linear(backend: str, device: torch.device, dtype: torch.dtype) -> LinearKind:
+    """Resolve EngineConfig.linear_backend to a kernels.cpu_linear kind: 'auto' is the project's
+    GEMM on the CPU where it works (float32 with AVX-512; bfloat16 with AVX512-BF16, beside
+    oneDNN), else oneDNN where it works, else torch."""
+    if backend == "torch":
+        return "torch"
+    if device.type != "cpu":
+        if backend != "auto":
+            raise ConfigError(f"linear_backend={backend!r} is for device='cpu'")
+        return "torch"
+    works = {"native": native_linear_works, "onednn": onednn_linear_works}
+    if backend != "auto":
+        if not works[backend](dtype):
+            what = ("needs float32 and AVX-512, or bfloat16 and AVX512-BF16" if backend == "native"
+                    else "is unavailable")
+            raise ConfigError(f"linear_backend={backend!r} {what} for {dtype} in this build (use 'torch' or 'auto')")
+        return backend
+    return next((kind for kind in ("native", "onednn") if works[kind](dtype)), "torch")
+
+
 def use_onednn(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Resolve EngineConfig.linear_backend: 'auto' is oneDNN on the CPU where it works."""
-    if backend == "torch" or device.type != "cpu":
-        if backend == "onednn":
-            raise ConfigError("linear_backend='onednn' is for device='cpu'")
-        return False
-    works = onednn_linear_works(dtype)
-    if backend == "onednn" and not works:
-        raise ConfigError(f"linear_backend='onednn' is unavailable for {dtype} in this torch build "
-                          "(use 'torch' or 'auto')")
-    return works
+    """Whether EngineConfig.linear_backend resolves to oneDNN (`resolve_linear`)."""
+    return resolve_linear(backend, device, dtype) == "onednn"
+
+
+def cpu_graphs_enabled(config: EngineConfig) -> bool:
+    """EngineConfig.disable_cpu_graph, unless RADIXRAY_CPU_GRAPHS=0 turns them off process-wide."""
+    return not config.disable_cpu_graph and os.environ.get("RADIXRAY_CPU_GRAPHS", "1") != "0"
+
+
+def plain_greedy(req) -> bool:
+    """Its next token is the argmax of the raw logits: nothing else is asked of the sampler."""
+    p = req.sampling_params
+    return p.is_greedy and not p.logprobs and not p.has_penalties and getattr(req, "grammar", None) is None
 
 
 class ModelRunner:
@@ -60,9 +86,9 @@ class ModelRunner:
                                    cfg.max_position_embeddings)
         # mlp_shard (rank, world): attention-DP splits every MLP over the group (an MoE model's
         # experts or intermediate dims, as config.moe_split says).
+        self.linear_kind = resolve_linear(config.linear_backend, self.device, self.dtype)
         self.model = build_model(cfg, model_dir, self.dtype, self.device, self.max_context_len, mlp_shard,
-                                 onednn=use_onednn(config.linear_backend, self.device, self.dtype),
-                                 moe_split=config.moe_split)
+                                 linear=self.linear_kind, moe_split=config.moe_split)
         per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                             cfg.head_dim, self.dtype)
         self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)
@@ -85,6 +111,17 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
             if self.model.expert_tokens is not None:  # capture's warm-up forwards are no traffic
                 self.model.expert_tokens.zero_()
+        elif (not cuda and cpu_graphs_enabled(config) and mlp_shard[1] == 1 and self.attn_backend.cpu_graph_safe
+              and self.model.cpu_graph_safe):  # (attention-DP's MLP collectives stay eager, as on CUDA)
+            from engine.cpu_graph import CpuGraphRunner
+
+            self.graph_runner = CpuGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
+        # Greedy ids of a plain greedy batch land here (the kernel's argmax), and go to the host
+        # as a list at once, so the buffers are free for the next batch.
+        self.greedy_ids = self.greedy_void = None
+        if not cuda and self.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load() is not None:
+            self.greedy_ids = torch.zeros(max_running + 1, dtype=torch.int64)
+            self.greedy_void = torch.zeros(max_running + 1, dtype=torch.int64)
 
     def expert_token_counts(self) -> list[int]:
         """(token, expert) pairs this engine's experts computed, by expert; [] for a dense model.
@@ -107,7 +144,8 @@ class ModelRunner:
         fb.resolve_forward_inputs(self.device)
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             logits = self.graph_runner.replay(fb)
-            return None if fb.forward_mode.is_idle() else logits
+            if logits is not None:  # None: a CPU graph that failed to compile; eager below
+                return None if fb.forward_mode.is_idle() else logits
         fb.attn_metadata = self.attn_backend.init_forward_metadata(fb)
         logits = self.model.forward(fb, self.attn_backend)
         return None if fb.forward_mode.is_idle() else logits
@@ -137,6 +175,12 @@ class ModelRunner:
         logits = self.forward(fb)
         if logits is None:
             return PendingSample(torch.empty(0, dtype=torch.int64), [])
+        if self.greedy_ids is not None and all(map(plain_greedy, reqs)):
+            n = logits.shape[0]
+            ids, void = self.greedy_ids[:n], self.greedy_void[:n]
+            cpu_kernels.argmax_rows(logits, ids, void)
+            self.future_token_ids[fb.req_pool_indices] = ids
+            return PendingSample(void.tolist(), [None] * n)
         next_ids, bad, logprobs = sample_on_device(logits, reqs)
         # Device to device: the next decode batch reads its inputs here, not from the host.
         self.future_token_ids[fb.req_pool_indices] = next_ids
@@ -173,7 +217,7 @@ class PendingSample:
 
     __slots__ = ("host_ids", "logprobs", "event", "keepalive")
 
-    def __init__(self, host_ids: torch.Tensor, logprobs: list, event: torch.cuda.Event | None = None,
+    def __init__(self, host_ids: torch.Tensor | list[int], logprobs: list, event: torch.cuda.Event | None = None,
                  keepalive: tuple | None = None) -> None:
         self.host_ids, self.logprobs, self.event, self.keepalive = host_ids, logprobs, event, keepalive
 
@@ -181,4 +225,5 @@ class PendingSample:
         if self.event is not None:
             self.event.synchronize()
         self.keepalive = None
-        return SampleResult(next_token_ids=self.host_ids.tolist(), logprobs=self.logprobs)
+        ids = self.host_ids if isinstance(self.host_ids, list) else self.host_ids.tolist()
+        return SampleResult(next_token_ids=ids, logprobs=self.logprobs)

@@ -21,6 +21,11 @@ from engine.builtin_model import (
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# CPU decode graphs compile each batch-size bucket on first use, seconds per engine: the suite
+# builds hundreds of engines, so it runs them eagerly, and the graph tests (tests/engine/
+# test_cpu_graph.py) turn them back on where they test them.
+os.environ.setdefault("RADIXRAY_CPU_GRAPHS", "0")
+
 ROOT = Path(__file__).resolve().parents[1]
 # Data a plain clone does not have (the trained stories260K model, KubeRay's CRD schemas): a folder
 # holding models/stories260K and k8s/kuberay-crds. .ci/run points it at ../shared.

@@ -29,9 +29,14 @@ class AttentionBackend(abc.ABC):
       over its request's `req_to_token[row, :seq_len]` (causal over the new tokens, full over
       the cached prefix) and returns [T, H, D]. Reads its metadata from `fb.attn_metadata`
       (`self.metadata(fb)`). A batch with no tokens (IDLE) returns q unchanged.
-    - CUDA-graph hooks, used by engine/cuda_graph.py for DECODE batches padded to a captured
-      size (padded rows: request row 0, seq_len 1, KV slot 0). Graph-safe backends override
-      all three; the base refuses them for a backend that is not graph-safe.
+    - `fused_rope_decode` (instance attribute): whether `forward_decode_rope` exists here. It
+      takes a decode batch's q/k/v before RoPE, straight from the projection ([T, H + 2 Hkv, D]),
+      and applies RoPE, stores k/v and attends in one call (the CPU kernel does; the model then
+      skips its own RoPE). Such a backend may also be graph-safe on its own device alone (the
+      CPU decode graphs of engine/cpu_graph.py need exactly this: `cpu_graph_safe`).
+    - Graph hooks, used by engine/cuda_graph.py (and engine/cpu_graph.py) for DECODE batches
+      padded to a captured size (padded rows: request row 0, seq_len 1, KV slot 0). Graph-safe
+      backends override all three; the base refuses them for a backend that is not graph-safe.
         `init_cuda_graph_state(max_bs)`: once, before any capture; allocate the persistent
             buffers the graphs will read metadata from.
         `capture_metadata(fb)`: metadata for capturing `fb`, whose tensors are the graph
@@ -44,6 +49,8 @@ class AttentionBackend(abc.ABC):
 
     name: ClassVar[str] = ""  # set by register_backend
     graph_safe: ClassVar[bool] = False
+    fused_rope_decode: bool = False
+    cpu_graph_safe: bool = False
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, scale: float,
                  device: torch.device) -> None:
@@ -60,6 +67,12 @@ class AttentionBackend(abc.ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 fb: ForwardBatch) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] of the new tokens; store k/v, return [T, H, D]."""
+
+    def forward_decode_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, layer: int,
+                            fb: ForwardBatch) -> torch.Tensor:
+        """DECODE: qkv [T, H + 2 Hkv, D] before RoPE; cos, sin_signed [positions, D] tables
+        (`engine.models.layers.RoPE`). RoPE, KV store and attention; returns [T, H, D]."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no fused RoPE decode")
 
     @staticmethod
     def metadata(fb: ForwardBatch) -> Any:
@@ -80,7 +93,7 @@ class AttentionBackend(abc.ABC):
         self._graph_hook_missing("replay_metadata")
 
     def _graph_hook_missing(self, hook: str) -> NoReturn:
-        if not self.graph_safe:
+        if not (self.graph_safe or self.cpu_graph_safe):
             raise ConfigError(f"attention backend {self.name!r} is not graph-safe, so it cannot run in "
                               f"CUDA graphs (graph-safe backends: {', '.join(graph_safe_backends()) or 'none'})")
         raise NotImplementedError(f"{type(self).__name__} is marked graph_safe but does not implement {hook}")

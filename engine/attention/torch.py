@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, register_backend
 from engine.forward_batch import ForwardBatch
 from engine.memory import KVCache, ReqToTokenPool
+from kernels import cpu_kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,17 +31,20 @@ class TorchAttnBackend(AttentionBackend):
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, scale: float,
                  device: torch.device) -> None:
         super().__init__(req_to_token_pool, kv_cache, scale, device)
-        # On CPU/float32, decode reads K/V in place with a small C++ kernel (see kernels/).
+        # On the CPU, decode reads K/V in place with a C++ kernel (kernels/cpu_kernels.py), which
+        # also applies RoPE and stores the new K/V (float32, bfloat16): no host sync, no
+        # value-dependent shape, so the CPU decode graphs can hold it.
         self.cpu_decode = None
-        if kv_cache.k[0].device.type == "cpu" and kv_cache.k[0].dtype == torch.float32:
-            from kernels import cpu_attention
-
-            if cpu_attention.load() is not None:
-                self.cpu_decode = cpu_attention.decode_attention
+        buf = kv_cache.k[0]
+        if buf.device.type == "cpu" and buf.dtype in (torch.float32, torch.bfloat16):
+            if cpu_kernels.load() is not None:
+                self.fused_rope_decode = self.cpu_graph_safe = True
+                if buf.dtype == torch.float32:
+                    self.cpu_decode = cpu_kernels.decode_attention
 
     def init_forward_metadata(self, fb: ForwardBatch) -> TorchAttnMetadata:
         if fb.forward_mode.is_decode():
-            if self.cpu_decode is not None or fb.batch_size == 0:
+            if self.cpu_decode is not None or self.fused_rope_decode or fb.batch_size == 0:
                 return TorchAttnMetadata()
             max_len = max(fb.seq_lens_cpu)
             rows = self.req_to_token[fb.req_pool_indices, :max_len].to(torch.int64)
@@ -55,6 +59,27 @@ class TorchAttnBackend(AttentionBackend):
                 start += n
             return TorchAttnMetadata(extend=tuple(extend))
         return TorchAttnMetadata()  # IDLE: no tokens
+
+    def forward_decode_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, layer: int,
+                            fb: ForwardBatch) -> torch.Tensor:
+        heads = qkv.shape[1] - 2 * self.kv.k[layer].shape[1]
+        return cpu_kernels.decode_attention_rope(
+            qkv, cos, sin_signed, fb.positions, self.kv.k[layer], self.kv.v[layer], fb.out_cache_loc,
+            self.req_to_token, fb.req_pool_indices, fb.seq_lens, heads, self.scale)
+
+    # === graph hooks (CPU decode graphs): the kernel reads the batch's own tensors, nothing else ===
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        if not self.cpu_graph_safe:
+            super().init_cuda_graph_state(max_bs)
+
+    def capture_metadata(self, fb: ForwardBatch) -> TorchAttnMetadata:
+        if not self.cpu_graph_safe:
+            super().capture_metadata(fb)
+        return TorchAttnMetadata()
+
+    def replay_metadata(self, fb: ForwardBatch) -> None:
+        if not self.cpu_graph_safe:
+            super().replay_metadata(fb)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 fb: ForwardBatch) -> torch.Tensor:

@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.models.base import MODEL_REGISTRY, CausalLM, Weights, register_model
 from engine.models.layers import MoESplit
+from kernels.cpu_linear import LinearKind
 
 
 def _import_model_files() -> None:
@@ -41,11 +42,11 @@ def model_class(architecture: str) -> type[CausalLM]:
 
 
 def build_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
-                max_positions: int, mlp_shard: tuple[int, int] = (0, 1), onednn: bool = False,
+                max_positions: int, mlp_shard: tuple[int, int] = (0, 1), linear: LinearKind = "torch",
                 moe_split: MoESplit = "experts") -> CausalLM:
     """The model for `cfg.architecture` with the checkpoint weights in `model_dir`."""
     cls = model_class(cfg.architecture)  # before reading what may be gigabytes of weights
-    return cls(cfg, load_weights(model_dir), dtype, device, max_positions, mlp_shard, onednn, moe_split=moe_split)
+    return cls(cfg, load_weights(model_dir), dtype, device, max_positions, mlp_shard, linear, moe_split=moe_split)
 
 
 def load_weights(model_dir: str) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import MoESplit
+from kernels.cpu_linear import LinearKind
 
 # HF `architectures` name -> model class; filled by @register_model when a model file is imported.
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {}
@@ -31,18 +32,21 @@ def register_model(*arch_names: str) -> Callable[[type[CausalLM]], type[CausalLM
 class CausalLM:
     """What ModelRunner, attention-DP (engine/dp.py), CUDA graphs and the benches rely on.
 
-    - `cls(cfg, weights, dtype, device, max_positions, mlp_shard, onednn, moe_split=...)`: `weights` maps HF
+    - `cls(cfg, weights, dtype, device, max_positions, mlp_shard, linear, moe_split=...)`: `weights` maps HF
       checkpoint names to CPU tensors (`engine.models.load_weights`). The model copies what it
       needs to `device` in `dtype` and keeps no reference to the dict; a missing weight raises
       ConfigError naming it (`Weights`). The weight names live in the model's file, with it.
       `max_positions` bounds the positions forward() sees; `mlp_shard` = (rank, world) is this
-      attention-DP member's share of every MLP; `onednn` picks prepacked CPU linears; `moe_split`
+      attention-DP member's share of every MLP; `linear` the kind of every projection
+      (`kernels.cpu_linear.LinearKind`: F.linear, oneDNN's or the project's packed CPU GEMM); `moe_split`
       how an MoE model's MLPs are shared: "experts" (E/world whole experts per member; dense MLPs
       and shared experts whole) or "intermediate" (a slice of every MLP's intermediate dim).
     - `forward(fb, attn) -> logits [bs, vocab]` at `fb.last_token_indices`. Layer i's attention
       is `attn.forward(q, k, v, i, fb)` (q [T, heads, head_dim], k and v [T, kv_heads, head_dim])
       -> [T, heads, head_dim]. T may be 0 (an IDLE batch). On CUDA it must be graph-capturable
-      (no host syncs), since decode batches replay it as a CUDA graph.
+      (no host syncs), since decode batches replay it as a CUDA graph. With a backend whose
+      `fused_rope_decode` is set, a DECODE (or IDLE) batch must go through
+      `attn.forward_decode_rope(qkv, cos, sin_signed, i, fb)` instead, with q/k/v before RoPE.
     - `scale`: the softmax scale the attention backend applies.
     - `mlp_comm`: None, or set by attention-DP after construction. Every layer then runs its MLP
       through `MLP.split_forward(x, mlp_comm)`: a split MLP passes its input through
@@ -59,10 +63,13 @@ class CausalLM:
     """
 
     expert_tokens: torch.Tensor | None = None
+    # Its DECODE forward has no host sync and no value-dependent shape, so the CPU decode graphs
+    # (engine/cpu_graph.py, torch.compile with fullgraph) can hold it.
+    cpu_graph_safe: bool = False
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
-                 onednn: bool = False, moe_split: MoESplit = "experts") -> None:
+                 linear: LinearKind = "torch", moe_split: MoESplit = "experts") -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.moe_split = moe_split
         self.scale = cfg.head_dim ** -0.5

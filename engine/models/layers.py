@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError
-from kernels.cpu_linear import Linear
+from kernels.cpu_linear import Linear, LinearKind
 from kernels.moe import expert_counts, grouped_moe, select_experts
 
 # Long prefills on the CPU run the per-token parts of a layer (norms, projections, RoPE, MLP) in
@@ -93,15 +93,21 @@ class Attention:
         self.qkv_heads = num_heads + 2 * num_kv_heads
         self.q_norm, self.k_norm = q_norm, k_norm
 
-    def roped_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Normed hidden states [T, H] -> q, k, v as one [T, qkv_heads, head_dim] tensor, q and k roped."""
+    def unroped_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [T, H] -> q, k, v as one [T, qkv_heads, head_dim] tensor, before
+        RoPE (q/k norms applied)."""
         nq, nkv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(x.shape[0], self.qkv_heads, self.head_dim)
-        qk = qkv[:, :nq + nkv]
         if self.q_norm is not None:
-            qk = torch.cat([rms_norm(qk[:, :nq], self.q_norm, self.eps),
-                            rms_norm(qk[:, nq:], self.k_norm, self.eps)], dim=1)
-        qkv[:, :nq + nkv] = apply_rope(qk, cos, sin)  # q and k in one pass
+            qkv[:, :nq + nkv] = torch.cat([rms_norm(qkv[:, :nq], self.q_norm, self.eps),
+                                           rms_norm(qkv[:, nq:nq + nkv], self.k_norm, self.eps)], dim=1)
+        return qkv
+
+    def roped_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [T, H] -> q, k, v as one [T, qkv_heads, head_dim] tensor, q and k roped."""
+        qkv = self.unroped_qkv(x)
+        nqk = self.num_heads + self.num_kv_heads
+        qkv[:, :nqk] = apply_rope(qkv[:, :nqk], cos, sin)  # q and k in one pass
         return qkv
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,11 +161,11 @@ class GatedMLP:
     (rank, world) slice of the intermediate dim."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 shard: tuple[int, int] = (0, 1), onednn: bool = False) -> None:
+                 shard: tuple[int, int] = (0, 1), linear: LinearKind = "torch") -> None:
         lo, hi = shard_range(gate.shape[0], shard)
         self.sharded = shard[1] > 1
-        self.gate_up = Linear(torch.cat([gate[lo:hi], up[lo:hi]]), onednn=onednn)
-        self.down = Linear(down[:, lo:hi].contiguous(), onednn=onednn)
+        self.gate_up = Linear(torch.cat([gate[lo:hi], up[lo:hi]]), kind=linear)
+        self.down = Linear(down[:, lo:hi].contiguous(), kind=linear)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         blocks = row_blocks(x.shape[0], x.device)  # > 1 only for attention-DP's gathered rows
@@ -204,7 +210,7 @@ class MoEMLP:
     (token, expert) pairs this member's experts computed (on the device, no host sync)."""
 
     def __init__(self, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 top_k: int, renormalize: bool, shard: tuple[int, int] = (0, 1), onednn: bool = False,
+                 top_k: int, renormalize: bool, shard: tuple[int, int] = (0, 1), linear: LinearKind = "torch",
                  expert_tokens: torch.Tensor | None = None, shared: GatedMLP | None = None,
                  shared_gate: torch.Tensor | None = None, fused: bool | None = None,
                  split: MoESplit = "experts") -> None:
@@ -227,7 +233,7 @@ class MoEMLP:
                 raise ConfigError("under moe_split='experts' the shared expert is held whole")
         else:
             lo, hi = shard_range(gate.shape[1], shard)
-        self.router = Linear(router, onednn=onednn)
+        self.router = Linear(router, kind=linear)
         w13 = torch.cat([gate[:, lo:hi], up[:, lo:hi]], dim=1)  # per expert: gate rows, then up rows
         w2 = down[:, :, lo:hi].contiguous()
         self.fused = w13.device.type == "cuda" if fused is None else fused
@@ -236,12 +242,12 @@ class MoEMLP:
 
             self.fused_moe, self.w13, self.w2 = fused_moe, w13, w2
         else:
-            self.experts = [(Linear(w13[e], onednn=onednn), Linear(w2[e], onednn=onednn))
+            self.experts = [(Linear(w13[e], kind=linear), Linear(w2[e], kind=linear))
                             for e in range(w13.shape[0])]
         self.expert_numel = w13.numel() + w2.numel()
         self.expert_tokens = expert_tokens
         self.shared = shared
-        self.shared_gate = Linear(shared_gate, onednn=onednn) if shared_gate is not None else None
+        self.shared_gate = Linear(shared_gate, kind=linear) if shared_gate is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = self.routed(x)

@@ -21,7 +21,8 @@ from engine.models.layers import (
     rms_norm,
     row_blocks,
 )
-from kernels.cpu_linear import Linear
+from kernels import cpu_kernels
+from kernels.cpu_linear import Linear, LinearKind
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -29,38 +30,40 @@ class LlamaForCausalLM(CausalLM):
     """Embedding, pre-norm decoder layers, final norm, lm_head. A model that differs only in its
     MLP (MoE) subclasses this and overrides `make_mlp`."""
 
+    cpu_graph_safe = True
+
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
-                 onednn: bool = False, moe_split: MoESplit = "experts") -> None:
-        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, onednn, moe_split)
+                 linear: LinearKind = "torch", moe_split: MoESplit = "experts") -> None:
+        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, linear, moe_split)
         w = Weights(weights, dtype, device)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in w
-        self.lm_head = Linear(self.embed if self.tied else w("lm_head.weight"), onednn=onednn)
+        self.lm_head = Linear(self.embed if self.tied else w("lm_head.weight"), kind=linear)
         self.layers = [
-            DecoderLayer(w(p + "input_layernorm.weight"), self.make_attention(w, p, onednn),
-                         w(p + "post_attention_layernorm.weight"), self.make_mlp(w, p, mlp_shard, onednn),
+            DecoderLayer(w(p + "input_layernorm.weight"), self.make_attention(w, p, linear),
+                         w(p + "post_attention_layernorm.weight"), self.make_mlp(w, p, mlp_shard, linear),
                          cfg.rms_norm_eps)
             for p in (f"model.layers.{i}." for i in range(cfg.num_hidden_layers))
         ]
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions, dtype, device)
 
-    def make_attention(self, w: Weights, p: str, onednn: bool) -> Attention:
+    def make_attention(self, w: Weights, p: str, linear: LinearKind) -> Attention:
         cfg = self.cfg
         bias = torch.cat([w(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]) if cfg.attention_bias else None
-        qkv = Linear(torch.cat([w(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]), bias, onednn=onednn)
-        o = Linear(w(p + "self_attn.o_proj.weight"), onednn=onednn)
+        qkv = Linear(torch.cat([w(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]), bias, kind=linear)
+        o = Linear(w(p + "self_attn.o_proj.weight"), kind=linear)
         q_norm, k_norm = ((w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight"))
                           if cfg.qk_norm else (None, None))
         return Attention(qkv, o, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          cfg.rms_norm_eps, q_norm, k_norm)
 
-    def make_mlp(self, w: Weights, p: str, mlp_shard: tuple[int, int], onednn: bool) -> MLP:
+    def make_mlp(self, w: Weights, p: str, mlp_shard: tuple[int, int], linear: LinearKind) -> MLP:
         """The MLP slot of layer prefix `p`."""
         return GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"),
-                        w(p + "mlp.down_proj.weight"), mlp_shard, onednn)
+                        w(p + "mlp.down_proj.weight"), mlp_shard, linear)
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.norm.numel() + (0 if self.tied else self.lm_head.numel())
@@ -68,6 +71,8 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
         """Hidden states of the tokens at fb.last_token_indices -> logits [bs, vocab]."""
+        if getattr(attn, "fused_rope_decode", False) and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle()):
+            return self.forward_decode(fb, attn)
         h = F.embedding(fb.input_ids, self.embed)
         cos, sin = self.rope(fb.positions)
         T = h.shape[0]
@@ -86,3 +91,22 @@ class LlamaForCausalLM(CausalLM):
                 layer.attn_out_and_mlp(residual[blk], o[blk], self.mlp_comm)
         h = rms_norm(residual[fb.last_token_indices], self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(h)
+
+    def forward_decode(self, fb: ForwardBatch, attn) -> torch.Tensor:
+        """A DECODE (or IDLE) batch through the CPU kernels: one token per request, so every row is
+        a last token. Per layer: qkv projection, one call for RoPE + KV store + attention, the
+        o-projection, then residual add and the next RMSNorm fused (twice), and the MLP: eight
+        calls where the general path makes about twenty-five. This is what a CPU decode graph
+        (engine/cpu_graph.py) compiles."""
+        eps = self.cfg.rms_norm_eps
+        residual = F.embedding(fb.input_ids, self.embed)  # a fresh tensor: updated in place below
+        T = residual.shape[0]
+        x = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
+        cos, sin = self.rope.cos, self.rope.sin_signed
+        for i, layer in enumerate(self.layers):
+            o = attn.forward_decode_rope(layer.attn.unroped_qkv(x), cos, sin, i, fb)
+            x = cpu_kernels.add_rms_norm(layer.attn.o_proj(o.view(T, self.q_size)), residual, layer.post_norm, eps)
+            y = layer.mlp(x) if self.mlp_comm is None else layer.mlp.split_forward(x, self.mlp_comm)
+            after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = cpu_kernels.add_rms_norm(y, residual, after, eps)
+        return self.lm_head(x)

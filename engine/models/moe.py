@@ -13,6 +13,7 @@ from engine.errors import ConfigError
 from engine.models.base import Weights
 from engine.models.layers import MLP, GatedMLP, MoEMLP, MoESplit, shard_range
 from engine.models.llama import LlamaForCausalLM
+from kernels.cpu_linear import LinearKind
 
 
 class SparseMoeCausalLM(LlamaForCausalLM):
@@ -20,29 +21,30 @@ class SparseMoeCausalLM(LlamaForCausalLM):
     `{layer}{moe_prefix}experts.{e}.{name}.weight` with `expert_names` = (gate, up, down): the
     per-expert layout of the published checkpoints (transformers writes it too)."""
 
+    cpu_graph_safe = False  # expert grouping reads routing counts on the host
     moe_prefix = "mlp."
     expert_names = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
-                 onednn: bool = False, moe_split: MoESplit = "experts") -> None:
+                 linear: LinearKind = "torch", moe_split: MoESplit = "experts") -> None:
         if cfg.num_experts < 1:
             raise ConfigError(f"{cfg.architecture} needs num_experts >= 1 in config.json")
         # Before the layers are built (LlamaForCausalLM.__init__ calls make_mlp): they share it.
         self.expert_tokens = torch.zeros(cfg.num_experts, dtype=torch.int64, device=device)
-        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, onednn, moe_split)
+        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, linear, moe_split)
 
     def renormalize(self) -> bool:
         """Whether the top-k routing weights are divided by their sum."""
         return self.cfg.norm_topk_prob
 
-    def make_mlp(self, w: Weights, p: str, mlp_shard: tuple[int, int], onednn: bool) -> MLP:
+    def make_mlp(self, w: Weights, p: str, mlp_shard: tuple[int, int], linear: LinearKind) -> MLP:
         layer = int(p.rstrip(".").rsplit(".", 1)[1])  # p = "model.layers.{i}."
         # Expert parallelism keeps the dense MLPs (dense layers, shared experts) whole on every
         # member: they run data-parallel on its own rows, like attention, with no collectives.
         dense_shard = (0, 1) if self.moe_split == "experts" else mlp_shard
         if not self.cfg.is_sparse_layer(layer):
-            return super().make_mlp(w, p, dense_shard, onednn)
+            return super().make_mlp(w, p, dense_shard, linear)
         m = p + self.moe_prefix
         held = range(self.cfg.num_experts)
         if self.moe_split == "experts":  # only this member's experts are read
@@ -52,10 +54,10 @@ class SparseMoeCausalLM(LlamaForCausalLM):
         if self.cfg.shared_expert_intermediate_size:
             s = m + "shared_expert."
             shared = GatedMLP(w(s + "gate_proj.weight"), w(s + "up_proj.weight"), w(s + "down_proj.weight"),
-                              dense_shard, onednn)
+                              dense_shard, linear)
             shared_gate = w(m + "shared_expert_gate.weight")
         return MoEMLP(w(m + "gate.weight"), gate, up, down, self.cfg.num_experts_per_tok, self.renormalize(),
-                      mlp_shard, onednn, self.expert_tokens, shared, shared_gate, split=self.moe_split)
+                      mlp_shard, linear, self.expert_tokens, shared, shared_gate, split=self.moe_split)
 
     def load_experts(self, w: Weights, x: str, experts: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """gate [E', I, H], up [E', I, H], down [E', H, I] of `experts` from the checkpoint's

@@ -8,9 +8,9 @@ import torch
 
 from engine.errors import ConfigError
 from engine.models.base import Weights, register_model
-from engine.models.layers import Attention, apply_rope, rms_norm
+from engine.models.layers import Attention, rms_norm
 from engine.models.moe import SparseMoeCausalLM
-from kernels.cpu_linear import Linear
+from kernels.cpu_linear import Linear, LinearKind
 
 
 class OlmoeAttention(Attention):
@@ -19,7 +19,7 @@ class OlmoeAttention(Attention):
         super().__init__(qkv, o, num_heads, num_kv_heads, head_dim, eps, q_norm, k_norm)
         self.clip = clip
 
-    def roped_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def unroped_qkv(self, x: torch.Tensor) -> torch.Tensor:
         q_dim, k_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         flat = self.qkv_proj(x)
         qkv = torch.cat([rms_norm(flat[:, :q_dim], self.q_norm, self.eps),
@@ -27,20 +27,17 @@ class OlmoeAttention(Attention):
                          flat[:, q_dim + k_dim:]], dim=1)
         if self.clip is not None:
             qkv.clamp_(-self.clip, self.clip)
-        qkv = qkv.view(x.shape[0], self.qkv_heads, self.head_dim)
-        nqk = self.num_heads + self.num_kv_heads
-        qkv[:, :nqk] = apply_rope(qkv[:, :nqk], cos, sin)
-        return qkv
+        return qkv.view(x.shape[0], self.qkv_heads, self.head_dim)
 
 
 @register_model("OlmoeForCausalLM")
 class OlmoeForCausalLM(SparseMoeCausalLM):
-    def make_attention(self, w: Weights, p: str, onednn: bool) -> Attention:
+    def make_attention(self, w: Weights, p: str, linear: LinearKind) -> Attention:
         cfg = self.cfg
         if cfg.attention_bias:  # it would bias o_proj too, which Attention does not
             raise ConfigError("OLMoE with attention_bias is not supported")
         a = p + "self_attn."
-        qkv = Linear(torch.cat([w(f"{a}{x}_proj.weight") for x in "qkv"]), onednn=onednn)
-        return OlmoeAttention(qkv, Linear(w(a + "o_proj.weight"), onednn=onednn), cfg.num_attention_heads,
+        qkv = Linear(torch.cat([w(f"{a}{x}_proj.weight") for x in "qkv"]), kind=linear)
+        return OlmoeAttention(qkv, Linear(w(a + "o_proj.weight"), kind=linear), cfg.num_attention_heads,
                               cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, w(a + "q_norm.weight"),
                               w(a + "k_norm.weight"), cfg.clip_qkv)

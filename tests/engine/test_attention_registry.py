@@ -95,6 +95,10 @@ def test_registry_holds_the_builtin_backends():
 
 def test_graph_safe_values():
     assert TorchAttnBackend.graph_safe is False
+    pool, kv = make_state(torch.float32)  # with the CPU kernel: safe for the CPU decode graphs
+    from kernels import cpu_kernels
+
+    assert create_attention_backend("torch", pool, kv, SCALE, CPU).cpu_graph_safe == (cpu_kernels.load() is not None)
     assert TritonAttnBackend.graph_safe is True
     assert FlashAttnBackend.graph_safe is False
 
@@ -119,7 +123,7 @@ def test_importing_the_package_imports_no_optional_kernel_package():
 
 
 def test_non_graph_safe_backend_refuses_graph_hooks():
-    pool, kv = make_state(torch.float32)
+    pool, kv = make_state(torch.float64)  # no CPU kernel for float64: not graph-safe anywhere
     backend = create_attention_backend("torch", pool, kv, SCALE, CPU)
     fb = batches(pool)["decode_a"]
     for call in (lambda: backend.init_cuda_graph_state(8), lambda: backend.capture_metadata(fb),

@@ -154,3 +154,27 @@ def test_logprobs_match_transformers(model_dirs, hf):
         top = row.topk(3)
         assert [t for t, _ in lp.top_logprobs] == top.indices.tolist()
         assert max(abs(a - b) for (_, a), b in zip(lp.top_logprobs, top.values.tolist())) < 1e-4
+
+
+def test_bfloat16_greedy_agreement_with_float32(model_dirs):
+    """bfloat16 weights and KV on the CPU (dtype="bfloat16") are an approximation, so the stated
+    tolerance: over 16 prompts x 32 greedy tokens of the random llama, the tokens before each
+    request's first divergence from the float32 engine average at least 60% of the output
+    (measured: 68%; transformers' own bfloat16 against its float32 reaches 75% on these prompts,
+    and our bfloat16 matches its bfloat16 on 84%). Rounding, not a bug, is what diverges: a
+    prompt whose first token already differs is allowed."""
+    path = model_dirs["llama"]
+    f32 = Engine(model_path=path)
+    bf16 = Engine(model_path=path, dtype="bfloat16")
+    assert bf16.model_runner.dtype == torch.bfloat16 and bf16.model_runner.kv_cache.k[0].dtype == torch.bfloat16
+    ids = prompts(f32, 16, seed=0, lo=5, hi=40)
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    leading = []
+    for a, b in zip(f32.generate(input_ids=ids, sampling_params=params),
+                    bf16.generate(input_ids=ids, sampling_params=params)):
+        k = 0
+        while k < 32 and a.token_ids[k] == b.token_ids[k]:
+            k += 1
+        leading.append(k)
+    assert sum(leading) / (32 * len(leading)) >= 0.6, leading
+    bf16.check_memory()

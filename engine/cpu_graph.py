@@ -1,0 +1,111 @@
+"""Decode graphs on the CPU: the twin of CUDA graphs (engine/cuda_graph.py), built with torch.compile.
+
+A DECODE (or IDLE) batch is padded to the next size of the CUDA-graph ladder, as for CUDA graphs
+(padded rows: request row 0, seq_len 1, KV slot 0: inert), copied into static input buffers and
+run by that size's compiled forward: the model's decode forward (`forward_decode`, through the
+attention backend's fused RoPE + KV store + attention) compiled by torch.compile with inductor's
+C++ backend, the first time the size runs. The CPU kernels stay inside as opaque operators
+(`torch.ops.radixray.*`: the GEMM, the fused attention, the fused norms); inductor fuses what lies
+between them (embedding, SiLU-and-multiply, q/k norms) and the step runs without per-op Python.
+
+Each size is its own compiled region with no guards (`isolate_recompiles`,
+`torch.compiler.skip_all_guards_unsafe`): a region only ever sees the same static buffers,
+weights and KV pool, so there is nothing to re-check per call, and no region is shared between
+engines. Inductor's FX graph cache (on disk, `TORCHINDUCTOR_CACHE_DIR`) makes a later compile of
+the same graph, in this process or another, take a fraction of the first. A size whose compile
+fails runs eagerly from then on (logged once)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.cuda_graph import PaddedDecode, capture_ladder, padded_size
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+log = logging.getLogger("radixray.engine")
+
+# The wrapper that calls the kernels in C++ (cpp_wrapper), not in Python: a Python call per
+# kernel costs more than the eager path saves. No size asserts: the inputs are the static buffers.
+COMPILE_OPTIONS = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True,
+                   "size_asserts": False}
+# Padding values of the static inputs (cuda_graph.pad_decode's): row 0, seq_len 1, slot 0.
+_PAD = {"input_ids": 0, "req_pool_indices": 0, "seq_lens": 1, "out_cache_loc": 0, "positions": 0}
+
+
+class CpuGraphRunner:
+    def __init__(self, model_runner, max_bs: int) -> None:
+        if model_runner.device.type != "cpu":
+            raise RuntimeError("CPU decode graphs run on the CPU")
+        self.runner = model_runner
+        self.ladder = capture_ladder(max_bs)
+        n = self.ladder[-1]
+        self.static = PaddedDecode(*(torch.zeros(n, dtype=torch.int64) for _ in range(5)))
+        self.static.seq_lens.fill_(1)
+        model_runner.attn_backend.init_cuda_graph_state(n)
+        self.batches: dict[int, ForwardBatch] = {}
+        self.compiled: dict[int, Callable[[], torch.Tensor]] = {}
+        self.compile_seconds: dict[int, float] = {}  # by size: compile (and first run) wall time
+        self.failed: dict[int, str] = {}  # sizes that run eagerly, and why
+        self.replays = 0  # batches run by a compiled graph
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        if fb.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE) or fb.batch_size > self.ladder[-1]:
+            return False
+        return padded_size(max(fb.batch_size, 1), self.ladder) not in self.failed
+
+    def _fb(self, size: int) -> ForwardBatch:
+        s = self.static
+        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=size, input_ids=s.input_ids[:size],
+                            seq_lens=s.seq_lens[:size], out_cache_loc=s.out_cache_loc[:size],
+                            req_pool_indices=s.req_pool_indices[:size], positions=s.positions[:size],
+                            seq_lens_cpu=[1] * size, last_token_indices=torch.arange(size))
+
+    @torch.inference_mode()
+    def replay(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """Logits [bs, vocab] of the batch, or None if this size failed to compile just now (the
+        caller then runs it eagerly)."""
+        bs = fb.batch_size
+        size = padded_size(max(bs, 1), self.ladder)
+        for name, pad in _PAD.items():  # in place: no tensor is allocated per step
+            buf = getattr(self.static, name)
+            if bs:
+                buf[:bs].copy_(getattr(fb, name))
+            if size > bs:
+                buf[bs:size].fill_(pad)
+        fn = self.compiled.get(size)
+        if fn is None:
+            return self._compile_and_run(size, bs)
+        captured = self.batches[size]
+        captured.seq_lens_cpu = (list(fb.seq_lens_cpu) + [1] * (size - bs)
+                                 if fb.seq_lens_cpu is not None else None)
+        self.runner.attn_backend.replay_metadata(captured)
+        self.replays += 1
+        return fn()[:bs]
+
+    def _compile_and_run(self, size: int, bs: int) -> torch.Tensor | None:
+        model, attn = self.runner.model, self.runner.attn_backend
+        fb = self._fb(size)
+        fb.attn_metadata = attn.capture_metadata(fb)
+
+        def decode_step() -> torch.Tensor:
+            return model.forward(fb, attn)
+
+        fn = torch.compile(decode_step, fullgraph=True, dynamic=False, isolate_recompiles=True,
+                           options=dict(COMPILE_OPTIONS))
+        t0 = time.perf_counter()
+        try:
+            logits = fn()  # compiles, then runs on the static inputs (this batch, padded)
+        except Exception as e:  # this size runs eagerly; the others may still compile
+            self.failed[size] = f"{type(e).__name__}: {e}"
+            log.warning("CPU decode graph for batch size %d failed to compile; it runs eagerly: %s",
+                        size, self.failed[size].splitlines()[0])
+            return None
+        self.compile_seconds[size] = time.perf_counter() - t0
+        log.info("CPU decode graph for batch size %d compiled in %.1f s", size, self.compile_seconds[size])
+        self.batches[size], self.compiled[size] = fb, fn
+        self.replays += 1
+        return logits[:bs]
