@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.cluster import _merge
+from cluster.cluster import _merge_all
 from deploy.engines import EngineAutoscaler, FleetOptions
 from engine import StreamDelta
 from engine.engine import TokenLogprob
@@ -17,7 +17,7 @@ def test_merged_deltas_carry_both_in_order():
     lp = [TokenLogprob(token_id=1, logprob=-0.5, top_logprobs=[])]
     a = StreamDelta(rid="r", text="ab", token_ids=[1, 2], completion_tokens=2, logprobs=lp * 2)
     b = StreamDelta(rid="r", text="c", token_ids=[3], completion_tokens=3, finish_reason="length", logprobs=lp)
-    m = _merge(a, b)
+    m = _merge_all([a, b])
     assert (m.text, m.token_ids, m.completion_tokens, m.finish_reason) == ("abc", [1, 2, 3], 3, "length")
     assert len(m.logprobs) == 3
 
