@@ -302,6 +302,8 @@ class EngineActor:
                 if batch:
                     yield encode_batch(batch)
         finally:
+            if self._outboxes.get(consumer) is box:  # a departed front end leaves nothing behind
+                del self._outboxes[consumer]
             for rid, owner in list(self._consumer_of.items()):
                 if owner == consumer:
                     self.engine.abort(rid, "its front end went away")
@@ -316,7 +318,9 @@ class EngineActor:
         self._draining = True
         start = time.monotonic()
         rerouted = False
-        while self.engine.scheduler.has_work() or not self.engine._inbox.empty():
+        # Until every request has ended and its last deltas have left for its front end.
+        while (self.engine.scheduler.has_work() or not self.engine._inbox.empty() or self._consumer_of
+               or any(box.items for box in self._outboxes.values())):
             elapsed = time.monotonic() - start
             if elapsed > timeout_s:
                 return len(self._consumer_of)
@@ -325,6 +329,7 @@ class EngineActor:
                 for rid in list(self._unstreamed):
                     self.engine.abort(rid, "engine is draining", kind="draining")
             await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # the outputs() streams hand their last batch to Ray
         return 0
 
     def stats(self) -> EngineActorStats:

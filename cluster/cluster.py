@@ -217,10 +217,11 @@ class Cluster:
             engine.retired = True
             self.router.stop_accepting(idx)
             self.router.set_healthy(idx, False)
-            self.router.kv_index.clear(idx)
             doomed = [rid for rid, (i, _, _) in self._subs.items() if i == idx]
         for fut in engine.consumers:
             fut.cancel()
+        with self._lock:  # _follow_kv applies nothing to a retired engine after this
+            self.router.kv_index.clear(idx)
         for rid in doomed:
             self._deliver(rid, _ENGINE_DIED, idx)
 
@@ -372,15 +373,19 @@ class Cluster:
         timer = loop.call_later(self.config.request_timeout_s, lambda: queue.put_nowait(_TIMED_OUT))
         try:
             while True:
+                # Picked and subscribed under one lock: an engine retired meanwhile either was
+                # not picked or finds this request among those it must re-route.
+                # Each attempt reads its own subscription: a late message about an earlier
+                # engine is dropped by _deliver, never read as this attempt's.
                 with self._lock:
                     idx = self.router.pick(input_ids, cost, exclude=frozenset(tried))
+                    if idx is not None:
+                        self._subs[rid] = (idx, loop, queue)
+                        self._where[rid] = idx
                 if idx is None:
                     yield _error(rid, "no engine available", "overloaded", len(input_ids))
                     return
-                # Each attempt reads its own subscription: a late message about an earlier
-                # engine is dropped by _deliver, never read as this attempt's.
                 streamed = finished = rerouted = False
-                self._subscribe(rid, idx, queue)
                 try:
                     incarnation = await self.engines[idx].actor.submit.remote(payload, self.consumer)
                     with self._lock:
@@ -456,12 +461,6 @@ class Cluster:
             timer.cancel()
 
     # ---- the per-engine output channels ---------------------------------------------------
-    def _subscribe(self, rid: str, idx: int, queue: _Inbox) -> None:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            self._subs[rid] = (idx, loop, queue)
-            self._where[rid] = idx
-
     def _unsubscribe(self, rid: str) -> None:
         with self._lock:
             self._subs.pop(rid, None)
@@ -478,10 +477,14 @@ class Cluster:
                 async for ref in actor.kv_events.remote(self.consumer):
                     batch = decode_kv_batch(await ref)
                     with self._lock:
+                        if self.engines[i].retired:  # gone from the fleet: its view stays empty
+                            return
                         in_sync = index.apply(i, batch)
                     if not in_sync:
                         snapshot = decode_kv_snapshot(await actor.kv_snapshot.remote())
                         with self._lock:
+                            if self.engines[i].retired:
+                                return
                             index.reset(i, snapshot)
             except Exception as e:  # the engine died or is restarting
                 if self._closed.is_set():

@@ -44,7 +44,11 @@ from engine.logs import log_to_stderr
 log = logging.getLogger("radixray.http")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-FLEET_SIZE_FIELDS = ("num_engines", "frontends", "max_frontends", "min_engines", "max_engines")
+# The deployments' shape, not the replicas' arguments: changing them rescales (or re-tunes the
+# autoscalers) instead of restarting every replica with new arguments.
+FLEET_SIZE_FIELDS = ("num_engines", "frontends", "max_frontends", "min_engines", "max_engines",
+                     "target_requests_per_frontend", "target_waiting_per_engine", "target_kv_use",
+                     "upscale_delay_s", "downscale_delay_s")
 SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
 CHUNK_END = b"}\n\n"  # closes an event whose choices (and usage) follow the shared head
 

@@ -135,7 +135,7 @@ class Fleet:
         if gone:
             self._bump()
 
-    def register(self, key: str, engine_id: int | None = None) -> int:
+    async def register(self, key: str, engine_id: int | None = None) -> int:
         """A starting engine's id (stable for its life; not reused). An engine that registers
         again with a replaced registry keeps its id."""
         if key not in self.members:
@@ -146,7 +146,7 @@ class Fleet:
             self.events.registered += 1
         return self.members[key].engine_id
 
-    def renew(self, key: str, actor: Any = None, info: bytes = b"", state: str | None = None) -> bool:
+    async def renew(self, key: str, actor: Any = None, info: bytes = b"", state: str | None = None) -> bool:
         """Extend the lease; the first renewal with an actor makes the engine routable. False:
         unknown key (this registry was replaced), the engine registers again."""
         self._expire()
@@ -163,7 +163,7 @@ class Fleet:
             self._bump()
         return True
 
-    def leave(self, key: str) -> None:
+    async def leave(self, key: str) -> None:
         if self.members.pop(key, None) is not None:
             self.events.left += 1
             self._bump()
@@ -183,7 +183,7 @@ class Fleet:
                    if m.actor is not None]
         return (self.instance, self.version), members
 
-    def stats(self) -> FleetEvents:
+    async def stats(self) -> FleetEvents:
         self._expire()
         return self.events
 
@@ -254,7 +254,7 @@ class EngineServer:
         while not self._stop.wait(RENEW_PERIOD_S):
             try:
                 known = self.fleet.renew.remote(self.key, state=self._state).result(timeout_s=10)
-                if not known:  # the registry was replaced (or forgot us): register again
+                if not known and not self._stop.is_set():  # the registry was replaced (or forgot us): register again
                     self.fleet.register.remote(self.key, self.engine_id).result(timeout_s=10)
                     self.fleet.renew.remote(self.key, self.engine, self.info, self._state).result(timeout_s=10)
             except Exception as e:  # the registry is restarting: the lease outlives a few misses
@@ -264,8 +264,15 @@ class EngineServer:
         """Serve's handle path: the request's msgpack-encoded StreamDeltas, one item per step."""
         payload = encode(GenerateRequest(rid=call.rid, input_ids=call.input_ids,
                                          sampling_params=call.sampling_params))
-        async for ref in self.engine.generate.remote(payload):
-            yield await ref
+        finished = False
+        try:
+            async for ref in self.engine.generate.remote(payload):
+                item = await ref
+                yield item
+            finished = True
+        finally:
+            if not finished:  # the caller went away: free the request's KV on the engine
+                self.engine.abort.remote(call.rid)
 
     async def check_health(self) -> None:
         await self.engine.check_health.remote()
@@ -297,7 +304,9 @@ class EngineServer:
             log.warning("engine %d drain failed: %s", self.engine_id, type(e).__name__)
         self._stop.set()
         try:
-            self.fleet.leave.remote(self.key)
+            await asyncio.wait_for(self.fleet.leave.remote(self.key), timeout=5)
+        except Exception as e:  # the registry is gone too (the app is being deleted): the lease expires
+            log.warning("engine %d could not leave the fleet: %s", self.engine_id, type(e).__name__)
         finally:
             ray.kill(self.engine, no_restart=True)
 
