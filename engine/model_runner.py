@@ -72,7 +72,8 @@ def cpu_graphs_enabled(config: EngineConfig) -> bool:
 def plain_greedy(req) -> bool:
     """Its next token is the argmax of the raw logits: nothing else is asked of the sampler."""
     p = req.sampling_params
-    return p.is_greedy and not p.logprobs and not p.has_penalties and getattr(req, "grammar", None) is None
+    return (p.is_greedy and not p.logprobs and p.prompt_logprobs is None and not p.has_penalties
+            and getattr(req, "grammar", None) is None)
 
 
 class ModelRunner:
@@ -175,7 +176,8 @@ class ModelRunner:
         logits = self.forward(fb)
         if logits is None:
             return PendingSample(torch.empty(0, dtype=torch.int64), [])
-        if self.greedy_ids is not None and all(map(plain_greedy, reqs)):
+        # One logits row per request (prompt logprobs keep a row per prompt position).
+        if self.greedy_ids is not None and logits.shape[0] == len(reqs) and all(map(plain_greedy, reqs)):
             n = logits.shape[0]
             ids, void = self.greedy_ids[:n], self.greedy_void[:n]
             cpu_kernels.argmax_rows(logits, ids, void)
