@@ -25,9 +25,10 @@ from typing import Literal
 
 IngressMode = Literal["proxy", "direct", "haproxy"]
 INGRESS_MODES: tuple[IngressMode, ...] = ("proxy", "direct", "haproxy")
-# `python -m cluster serve`'s default: no Python process relays the events, and clients keep one
-# address per node (docs/BENCHMARKS.md, "Streaming front end (issue 19)", has the figures).
-DEFAULT_INGRESS: IngressMode = "haproxy"
+# `python -m cluster serve`'s default: Serve's proxy, which works everywhere. HAProxy mode takes
+# the Python relay off the data path but binds fixed node ports (stats, metrics), so two
+# deployments on one machine collide; it is opt-in (--ingress haproxy).
+DEFAULT_INGRESS: IngressMode = "proxy"
 DIRECT_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
