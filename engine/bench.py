@@ -431,7 +431,7 @@ def case_roofline_bs1(path: str, scale: float) -> None:
     print("roofline   read bandwidth: " + "  ".join(f"{k}={v / 1e9:.1f} GB/s" for k, v in bw.items())
           + f"  ({nbytes >> 20} MiB buffer, last-level cache {llc >> 20} MiB, best of 5, "
           f"{torch.get_num_threads()} threads)", flush=True)
-    out_len, rounds = (128, 3) if scale >= 1 else (32, 1)
+    out_len, rounds = (128, 5) if scale >= 1 else (32, 1)
     on_off = {"graphs": {}, "eager": {"disable_cpu_graph": True}}
     for dtype in ("float32", "bfloat16"):
         probe = Engine(model_path=path, dtype=dtype, max_total_tokens=4096, disable_cpu_graph=True)

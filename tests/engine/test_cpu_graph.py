@@ -45,7 +45,6 @@ MODES = {  # (engine kwargs, requests, how they arrive)
     "mixed": ({"enable_mixed_chunk": True, "chunked_prefill_size": 8}, 6, "staggered"),
     "retraction": ({"max_total_tokens": 200}, 12, "together"),
     "overlap": ({"enable_overlap": True, "chunked_prefill_size": 8}, 6, "staggered"),
-    "no_radix": ({"disable_radix_cache": True, "max_total_tokens": 300}, 6, "together"),
 }
 
 
@@ -71,9 +70,8 @@ def test_graphs_match_transformers_in_every_mode(model_dirs, hf, mode):
     eng.check_memory()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])  # q/k/v bias; per-head q/k norm and one kv head
-def test_graphs_match_transformers_across_the_llama_family(model_dirs, hf, name):
-    path = model_dirs[name]
+def test_graphs_match_transformers_with_qk_norm_and_one_kv_head(model_dirs, hf):
+    path = model_dirs["qwen3"]  # per-head q/k RMSNorm, four query heads per kv head, head_dim 32
     eng = graph_engine(path)
     ids = prompts(eng, 3, seed=32, lo=5, hi=30)
     outs = eng.generate(input_ids=ids, sampling_params=GREEDY)
