@@ -391,15 +391,16 @@ class Cluster:
                     with self._lock:
                         self._incarnation[rid] = incarnation
                     held: list[StreamDelta] = []  # tokens waiting out the stream interval
-                    last_sent = 0.0
                     while not rerouted:
-                        queue.quiet = bool(held)  # while holding, only the end (or a sentinel) wakes us
                         for item in await queue.take():
-                            if item is _FLUSH:
+                            if item is _FLUSH:  # an interval since the last event
                                 flush = None
                                 if held:
                                     yield _merge_all(held)
-                                    held, last_sent = [], loop.time()
+                                    held = []
+                                    flush = loop.call_later(interval, queue.put_nowait, _FLUSH)
+                                else:  # nothing came meanwhile: the next delta goes out as it comes
+                                    queue.quiet = False
                                 continue
                             if item is _TIMED_OUT or item is _ENGINE_DIED:
                                 if held:  # what was produced reaches the client first
@@ -415,22 +416,19 @@ class Cluster:
                             if item.error_kind == "draining" and not streamed:  # handed back: elsewhere
                                 rerouted = True
                                 break
-                            now = loop.time()
-                            # The first tokens and the end go out at once; the rest at most once
-                            # per stream interval, merged.
-                            if finished or not streamed or now >= last_sent + interval:
+                            # The first tokens and the end go out at once; the rest at most once per
+                            # stream interval, merged: after an event, deltas wait (without waking
+                            # us) for the flush an interval later, unless the end comes first.
+                            if finished or not queue.quiet:
                                 delta = _merge_all(held)
                                 held = []
-                                if flush is not None:
-                                    flush.cancel()
-                                    flush = None
                                 streamed = streamed or bool(delta.token_ids)
                                 yield delta
-                                last_sent = now
                                 if finished:
                                     return
-                            elif flush is None:
-                                flush = loop.call_later(last_sent + interval - now, queue.put_nowait, _FLUSH)
+                                if streamed and interval > 0:
+                                    queue.quiet = True
+                                    flush = loop.call_later(interval, queue.put_nowait, _FLUSH)
                 except ray.exceptions.RayError as e:  # the actor died, or its engine loop is dead
                     if not _engine_is_gone(e):  # this request's failure, not the engine's
                         log.error("request %s failed on engine %d", rid, idx, exc_info=e)

@@ -382,6 +382,11 @@ class OpenAIServer:
     def _usage(lasts: list[StreamDelta | None], n: int) -> dict:
         """Usage from each choice's latest delta (None: none yet). A prompt counts once for its
         n choices; its cached tokens are the most any of its choices found in the cache."""
+        if len(lasts) == 1:  # one choice (every event of most streams with continuous usage)
+            d = lasts[0]
+            prompt, completion, cached = (d.prompt_tokens, d.completion_tokens, d.cached_tokens) if d else (0, 0, 0)
+            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                    "prompt_tokens_details": {"cached_tokens": cached}}
         prompt = cached = 0
         for start in range(0, len(lasts), n):
             group = [d for d in lasts[start:start + n] if d is not None]

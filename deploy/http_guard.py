@@ -3,7 +3,9 @@
 Uvicorn, which Serve's proxy runs, times out idle keep-alive connections but never a client
 that dribbles its request line, headers or body: each such connection is held for good. Serve
 calls the function named by RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH in every proxy process
-before the proxy's server starts; `install` points uvicorn's "auto" HTTP protocol at a subclass
+before the proxy's server starts, and in every ingress replica before its own server starts
+under direct ingress (deploy/ingress.py; with HAProxy in front, HAProxy holds a client that
+dribbles its headers: it forwards a request once its headers are complete); `install` points uvicorn's "auto" HTTP protocol at a subclass
 that arms a timer while a request is being read: the headers must arrive within
 RADIXRAY_HTTP_HEADER_TIMEOUT_S of the first byte (or of the connection opening), the body within
 RADIXRAY_HTTP_BODY_TIMEOUT_S of the headers. Past either, the client gets a 408 and the
