@@ -380,8 +380,7 @@ class Cluster:
                 with self._lock:
                     idx = self.router.pick(input_ids, cost, exclude=frozenset(tried))
                     if idx is not None:
-                        self._subs[rid] = (idx, loop, queue)
-                        self._where[rid] = idx
+                        self._subscribe_locked(rid, idx, loop, queue)
                 if idx is None:
                     yield _error(rid, "no engine available", "overloaded", len(input_ids))
                     return
@@ -459,6 +458,11 @@ class Cluster:
             timer.cancel()
 
     # ---- the per-engine output channels ---------------------------------------------------
+    def _subscribe_locked(self, rid: str, engine: int, loop: asyncio.AbstractEventLoop, queue: _Inbox) -> None:
+        """Route engine `engine`'s deliveries for `rid` to `queue` on `loop`; the caller holds the lock."""
+        self._subs[rid] = (engine, loop, queue)
+        self._where[rid] = engine
+
     def _unsubscribe(self, rid: str) -> None:
         with self._lock:
             self._subs.pop(rid, None)

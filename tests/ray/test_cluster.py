@@ -124,9 +124,12 @@ def test_a_late_message_about_an_earlier_engine_is_dropped():
         cl._subs, cl._where, cl._incarnation, cl._consumers = {}, {}, {}, [object()]
         cl._lock = threading.Lock()
         first, second = asyncio.Queue(), asyncio.Queue()
-        cl._subscribe("r", 0, first)
+        loop = asyncio.get_running_loop()
+        with cl._lock:
+            cl._subscribe_locked("r", 0, loop, first)
         cl._unsubscribe("r")
-        cl._subscribe("r", 1, second)  # the re-routed attempt
+        with cl._lock:
+            cl._subscribe_locked("r", 1, loop, second)  # the re-routed attempt
         cl._deliver("r", _ENGINE_DIED, 0)  # engine 0's stream broke, noticed only now
         cl._deliver("r", "token from engine 1", 1)
         await asyncio.sleep(0.01)
