@@ -442,6 +442,15 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _busy_cores() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat (every process,
+    ours or not: how loaded the machine was during a run)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), sum(fields) / os.sysconf("SC_CLK_TCK")
+
+
 def _pids(*titles: str) -> list[int]:
     """Processes whose command line (Ray sets "ray::<actor>") contains one of `titles`."""
     out = []
@@ -567,7 +576,12 @@ def frontend_child(mode: str, model: str, scale: float, interval_s: float | None
             return {"wall": wall, **_latency_summary([r[0] for r in runs], [g for r in runs for g in r[1]])}
 
         cl.run(direct())  # warm-up
+        engine_pids = _pids("ray::EngineActor")
+        cpu0, busy0 = sum(_proc_cpu_s(p) for p in engine_pids), _busy_cores()
         result["direct"] = cl.run(direct())
+        busy1 = _busy_cores()
+        result["direct"]["engine_cpu"] = sum(_proc_cpu_s(p) for p in engine_pids) - cpu0
+        result["direct"]["busy"] = (busy1[0] - busy0[0]) / result["direct"]["wall"]
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -592,9 +606,10 @@ def frontend_child(mode: str, model: str, scale: float, interval_s: float | None
         bodies = [{**make(p), "max_tokens": tokens, "temperature": 0, "ignore_eos": True} for p in prompts]
         asyncio.run(_sse_load(url, bodies[:4]))  # warm-up
         metrics_before = _metric_values(httpx.get(f"{base}/metrics", timeout=30).text, FRONTEND_METRICS)
-        before = {k: sum(_proc_cpu_s(p) for p in pids) for k, pids in procs.items()}
+        before, busy0 = {k: sum(_proc_cpu_s(p) for p in pids) for k, pids in procs.items()}, _busy_cores()
         r = asyncio.run(_sse_load(url, bodies))
         cpu = {k: sum(_proc_cpu_s(p) for p in pids) - before[k] for k, pids in procs.items()}
+        r["busy"] = (_busy_cores()[0] - busy0[0]) / r["wall"]
         metrics_after = _metric_values(httpx.get(f"{base}/metrics", timeout=30).text, FRONTEND_METRICS)
         assert r["tokens"] == streams * tokens, "the HTTP run skipped work"
         r["cpu"] = cpu
@@ -622,7 +637,8 @@ def _frontend_line(r: dict, endpoint: str) -> str:
             f"(ceiling 100)  events/token={e['events'] / n:.2f}  ttft p50={1e3 * e['ttft_p50']:.0f} ms "
             f"p99={1e3 * e['ttft_p99']:.0f} ms (direct {1e3 * d['ttft_p50']:.0f}/{1e3 * d['ttft_p99']:.0f})  "
             f"itl p50={1e3 * e['itl_p50']:.1f} ms p99={1e3 * e['itl_p99']:.1f} ms "
-            f"(direct {1e3 * d['itl_p50']:.1f}/{1e3 * d['itl_p99']:.1f}){own}{verdict}")
+            f"(direct {1e3 * d['itl_p50']:.1f}/{1e3 * d['itl_p99']:.1f}){own}  machine busy={e['busy']:.1f} "
+            f"cores (direct {d['busy']:.1f}, engine {1e6 * d['engine_cpu'] / n:,.0f} us/tok){verdict}")
 
 
 def case_frontend(path: str, scale: float, ingress: tuple[str, ...] = ("proxy", "direct", "haproxy"),
