@@ -15,9 +15,13 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
   http      the same requests streamed through Ray Serve's HTTP app vs the Cluster in Python:
             throughput and time to first visible text (median, p99).
   frontend  stories260K (or the bench model without ../shared), one engine, 32 streams x 256 tokens,
-            completions then chat: CPU per streamed token of the proxy, the front end and the
-            engine (read from /proc), CPU per request, SSE events per token, tok/s, TTFT and ITL
-            p50/p99, and the same streams through the Cluster in Python (HTTP / direct).
+            completions then chat, for each ingress mode (`--ingress`: Serve's proxy, direct
+            ingress, HAProxy; deploy/ingress.py), each in a Ray of its own: CPU per streamed token
+            of the proxy (or HAProxy), the front end and the engine (read from /proc), SSE events
+            per token, tok/s, TTFT and ITL p50/p99 (between events that carry tokens), the same
+            streams through the Cluster in Python (HTTP / direct), and the front end's own
+            /metrics figures; floors: proxy + front end <= 100 us/token, HTTP >= 0.9x direct.
+            `--stream-interval-s` overrides ClusterConfig.stream_interval_s.
   autoscale an engine fleet autoscaled between 1 and 2 engines: idle -> burst -> idle, with a light
             steady stream throughout: time to scale up, time to scale down (with a drain), failures.
   dp        attention-DP: step time of a 2-engine lock-step group vs one engine at the same
@@ -46,6 +50,7 @@ import statistics
 import time
 from typing import Any
 
+import msgspec
 import ray
 
 from cluster import Cluster, ClusterConfig
@@ -482,6 +487,15 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _busy_cores() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat (every process,
+    ours or not: how loaded the machine was during a run)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK"), sum(fields) / os.sysconf("SC_CLK_TCK")
+
+
 def _pids(*titles: str) -> list[int]:
     """Processes whose command line (Ray sets "ray::<actor>") contains one of `titles`."""
     out = []
@@ -502,10 +516,24 @@ def _latency_summary(ttfts: list[float], itls: list[float]) -> dict:
             "itl_p50": statistics.median(itls) if itls else 0.0, "itl_p99": _percentile(itls, 0.99) if itls else 0.0}
 
 
+class _SSEUsage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _SSEChunk(msgspec.Struct):
+    """What the load generator reads of an event (the rest is skipped by the decoder)."""
+
+    choices: list = []
+    usage: _SSEUsage | None = None
+
+
 async def _sse_load(url: str, bodies: list[dict]) -> dict:
     """Stream every body at once: tokens (from the chunks' running usage), SSE events that carry
-    tokens, TTFT and ITL (between such events), wall time."""
+    tokens, TTFT and ITL (between such events), wall time. The client shares the machine's cores
+    with the server, so it decodes only what it counts."""
     import aiohttp
+
+    decode = msgspec.json.Decoder(_SSEChunk).decode
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         async def one(body: dict) -> tuple[float, list[float], int, int]:
@@ -518,12 +546,11 @@ async def _sse_load(url: str, bodies: list[dict]) -> dict:
                     line = raw.strip()
                     if not line.startswith(b"data: {"):
                         continue
-                    chunk = json.loads(line[6:])
-                    usage = chunk.get("usage") or {}
-                    if not chunk.get("choices"):
+                    chunk = decode(line[6:])
+                    if not chunk.choices or chunk.usage is None:
                         continue
                     now = time.perf_counter()
-                    got = usage.get("completion_tokens", tokens) - tokens
+                    got = chunk.usage.completion_tokens - tokens
                     if got <= 0:
                         continue
                     tokens += got
@@ -594,7 +621,12 @@ def frontend_child(mode: str, model: str, scale: float, interval_s: float | None
             return {"wall": wall, **_latency_summary([r[0] for r in runs], [g for r in runs for g in r[1]])}
 
         cl.run(direct())  # warm-up
+        engine_pids = _pids("ray::EngineActor")
+        cpu0, busy0 = sum(_proc_cpu_s(p) for p in engine_pids), _busy_cores()
         result["direct"] = cl.run(direct())
+        busy1 = _busy_cores()
+        result["direct"]["engine_cpu"] = sum(_proc_cpu_s(p) for p in engine_pids) - cpu0
+        result["direct"]["busy"] = (busy1[0] - busy0[0]) / result["direct"]["wall"]
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -619,9 +651,10 @@ def frontend_child(mode: str, model: str, scale: float, interval_s: float | None
         bodies = [{**make(p), "max_tokens": tokens, "temperature": 0, "ignore_eos": True} for p in prompts]
         asyncio.run(_sse_load(url, bodies[:4]))  # warm-up
         metrics_before = _metric_values(httpx.get(f"{base}/metrics", timeout=30).text, FRONTEND_METRICS)
-        before = {k: sum(_proc_cpu_s(p) for p in pids) for k, pids in procs.items()}
+        before, busy0 = {k: sum(_proc_cpu_s(p) for p in pids) for k, pids in procs.items()}, _busy_cores()
         r = asyncio.run(_sse_load(url, bodies))
         cpu = {k: sum(_proc_cpu_s(p) for p in pids) - before[k] for k, pids in procs.items()}
+        r["busy"] = (_busy_cores()[0] - busy0[0]) / r["wall"]
         metrics_after = _metric_values(httpx.get(f"{base}/metrics", timeout=30).text, FRONTEND_METRICS)
         assert r["tokens"] == streams * tokens, "the HTTP run skipped work"
         r["cpu"] = cpu
@@ -640,13 +673,17 @@ def _frontend_line(r: dict, endpoint: str) -> str:
     own = (f"  /metrics: events/token={m['radixray_sse_events_total'] / max(m['radixray_streamed_tokens_total'], 1):.2f} "
            f"front end CPU={1e6 * m['radixray_frontend_cpu_seconds_total'] / max(m['radixray_streamed_tokens_total'], 1):,.0f} "
            "us/tok") if m.get("radixray_streamed_tokens_total") else ""
+    ratio = d["wall"] / e["wall"]
+    verdict = (f"  floors: proxy+front end<=100 {'met' if front <= 100 else 'MISSED'}, "
+               f"http/direct>=0.9x {'met' if ratio >= 0.9 else 'MISSED'}")
     return (f"frontend   {r['mode']:<7} {endpoint:<11} {n / e['wall']:,.0f} tok/s (direct {n / d['wall']:,.0f}, "
-            f"http/direct={d['wall'] / e['wall']:.2f}x, floor 0.9x)  CPU proxy={us['proxy']:,.0f} "
+            f"http/direct={ratio:.2f}x, floor 0.9x)  CPU proxy={us['proxy']:,.0f} "
             f"front end={us['front end']:,.0f} engine={us['engine']:,.0f} us/tok  proxy+front end={front:,.0f} us/tok "
             f"(ceiling 100)  events/token={e['events'] / n:.2f}  ttft p50={1e3 * e['ttft_p50']:.0f} ms "
             f"p99={1e3 * e['ttft_p99']:.0f} ms (direct {1e3 * d['ttft_p50']:.0f}/{1e3 * d['ttft_p99']:.0f})  "
             f"itl p50={1e3 * e['itl_p50']:.1f} ms p99={1e3 * e['itl_p99']:.1f} ms "
-            f"(direct {1e3 * d['itl_p50']:.1f}/{1e3 * d['itl_p99']:.1f}){own}")
+            f"(direct {1e3 * d['itl_p50']:.1f}/{1e3 * d['itl_p99']:.1f}){own}  machine busy={e['busy']:.1f} "
+            f"cores (direct {d['busy']:.1f}, engine {1e6 * d['engine_cpu'] / n:,.0f} us/tok){verdict}")
 
 
 def case_frontend(path: str, scale: float, ingress: tuple[str, ...] = ("proxy", "direct", "haproxy"),
