@@ -595,7 +595,7 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tenso
   // Panels per task: 4 (64 columns) unless that leaves threads idle.
   const int64_t G = NB >= 8 * nt ? 4 : (NB >= 4 * nt ? 2 : 1);
   const int64_t NG = (NB + G - 1) / G;
-  constexpr int64_t MC = 96, KC = 384;  // rows per task, k per pass: x rows and panels stay in L1/L2
+  constexpr int64_t MC = 96, KC = 128;  // rows per task, k per pass: a task's panels stay in L1
   const int64_t MT = (M + MC - 1) / MC;
   at::parallel_for(0, NG * MT, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -607,11 +607,13 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tenso
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = std::min(K, k0 + KC);
         const bool first = k0 == 0, last = k1 == K;
+        const float* xs = xp + m0 * ldx;  // row m0 of this task
+        const int64_t lds = ldx;
         // mb rows against the task's panels, `wide` panels per call (the rest two at a time).
         auto rows = [&](int64_t m, int64_t mb, int64_t wide) {
           for (int64_t j = 0; j < g;) {
             const int64_t nbk = g - j >= wide ? wide : std::min<int64_t>(2, g - j);
-            micro(mb, nbk)(xp + m * ldx, ldx, wb + j * K * 16, K, k0, k1, yp + m * N + n0 + j * 16, N,
+            micro(mb, nbk)(xs + (m - m0) * lds, lds, wb + j * K * 16, K, k0, k1, yp + m * N + n0 + j * 16, N,
                            nvalid - j * 16, first, last && bp ? bp + n0 + j * 16 : nullptr);
             j += nbk;
           }
