@@ -753,6 +753,18 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, c10::optional<torch::
 }
 
 // ------------------------------------------------------------------------------------------
+// oneDNN's linear over a weight it packed (mkldnn::_linear_pointwise), as one operator of ours:
+// inside a compiled graph it is called from C++ (inductor's own lowering of the mkldnn operator
+// expects weights it packed itself, and a Python custom op would be a call back into Python).
+torch::Tensor onednn_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
+                          c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// ------------------------------------------------------------------------------------------
 TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("decode_attention_rope(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_buf, "
         "Tensor(b!) v_buf, Tensor out_loc, Tensor req_to_token, Tensor rows, Tensor seq_lens, int num_heads, "
@@ -762,6 +774,7 @@ TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("argmax_rows(Tensor logits, Tensor(a!) ids, Tensor(b!) void_ids) -> ()");
   m.def("gemm(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
@@ -771,6 +784,11 @@ TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("gemm", &gemm);
   m.impl("gemm_bf16", &gemm_bf16);
+  m.impl("onednn_linear", &onednn_linear);
+}
+
+TORCH_LIBRARY_IMPL(radixray, MkldnnCPU, m) {  // oneDNN's packed weight is an MKLDNN-layout tensor
+  m.impl("onednn_linear", &onednn_linear);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -881,6 +899,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("radixray::gemm_bf16")
     def _(x, w, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("radixray::onednn_linear")
+    def _(x, packed, bias, n):
         return x.new_empty(x.shape[0], n)
 
 
