@@ -595,7 +595,7 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tenso
   // Panels per task: 4 (64 columns) unless that leaves threads idle.
   const int64_t G = NB >= 8 * nt ? 4 : (NB >= 4 * nt ? 2 : 1);
   const int64_t NG = (NB + G - 1) / G;
-  constexpr int64_t MC = 96, KC = 384;  // rows per task, k per pass: x rows and panels stay in L1/L2
+  constexpr int64_t MC = 96, KC = 128;  // rows per task, k per pass: a task's panels stay in L1
   const int64_t MT = (M + MC - 1) / MC;
   at::parallel_for(0, NG * MT, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -607,11 +607,13 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tenso
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = std::min(K, k0 + KC);
         const bool first = k0 == 0, last = k1 == K;
+        const float* xs = xp + m0 * ldx;  // row m0 of this task
+        const int64_t lds = ldx;
         // mb rows against the task's panels, `wide` panels per call (the rest two at a time).
         auto rows = [&](int64_t m, int64_t mb, int64_t wide) {
           for (int64_t j = 0; j < g;) {
             const int64_t nbk = g - j >= wide ? wide : std::min<int64_t>(2, g - j);
-            micro(mb, nbk)(xp + m * ldx, ldx, wb + j * K * 16, K, k0, k1, yp + m * N + n0 + j * 16, N,
+            micro(mb, nbk)(xs + (m - m0) * lds, lds, wb + j * K * 16, K, k0, k1, yp + m * N + n0 + j * 16, N,
                            nvalid - j * 16, first, last && bp ? bp + n0 + j * 16 : nullptr);
             j += nbk;
           }
@@ -751,6 +753,18 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, c10::optional<torch::
 }
 
 // ------------------------------------------------------------------------------------------
+// oneDNN's linear over a weight it packed (mkldnn::_linear_pointwise), as one operator of ours:
+// inside a compiled graph it is called from C++ (inductor's own lowering of the mkldnn operator
+// expects weights it packed itself, and a Python custom op would be a call back into Python).
+torch::Tensor onednn_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
+                          c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// ------------------------------------------------------------------------------------------
 TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("decode_attention_rope(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_buf, "
         "Tensor(b!) v_buf, Tensor out_loc, Tensor req_to_token, Tensor rows, Tensor seq_lens, int num_heads, "
@@ -760,6 +774,7 @@ TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("argmax_rows(Tensor logits, Tensor(a!) ids, Tensor(b!) void_ids) -> ()");
   m.def("gemm(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
@@ -769,6 +784,11 @@ TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("gemm", &gemm);
   m.impl("gemm_bf16", &gemm_bf16);
+  m.impl("onednn_linear", &onednn_linear);
+}
+
+TORCH_LIBRARY_IMPL(radixray, MkldnnCPU, m) {  // oneDNN's packed weight is an MKLDNN-layout tensor
+  m.impl("onednn_linear", &onednn_linear);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -879,6 +899,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("radixray::gemm_bf16")
     def _(x, w, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("radixray::onednn_linear")
+    def _(x, packed, bias, n):
         return x.new_empty(x.shape[0], n)
 
 

@@ -12,8 +12,8 @@ Kinds: "torch" (F.linear over the dense weight), "onednn" (oneDNN's packed weigh
 kernel for up to NATIVE_BF16_MAX_ROWS rows beside oneDNN's packed weight for more, two copies:
 oneDNN's bfloat16 kernels are several times slower for one to three rows than for four, and
 faster than any of ours from four on, with AMX). Inside `torch.compile` the packed kinds are
-opaque operators (`torch.ops.radixray.gemm*`, `radixray::onednn_linear`): inductor's own
-lowering of oneDNN's linear expects weights it packed itself."""
+opaque operators (`torch.ops.radixray.gemm*`, `.onednn_linear`): inductor's own lowering of
+oneDNN's linear expects weights it packed itself."""
 
 from __future__ import annotations
 
@@ -28,16 +28,6 @@ LinearKind = Literal["torch", "onednn", "native"]
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 NATIVE_BF16_MAX_ROWS = 3  # a "native" bfloat16 linear's own kernel takes up to this many rows
 ONEDNN_BF16_MIN_ROWS = 4  # a oneDNN bfloat16 linear pads fewer rows to this many
-
-
-@torch.library.custom_op("radixray::onednn_linear", mutates_args=())
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@_onednn_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], n)
 
 
 class Linear:
@@ -76,8 +66,8 @@ class Linear:
             rows = x.shape[0]
             if 0 < rows < self.pad_rows:
                 x = torch.cat([x, x.new_zeros(self.pad_rows - rows, x.shape[1])])
-            if torch.compiler.is_compiling():
-                y = _onednn_linear(x, self.packed, self.bias, self.out_features)
+            if torch.compiler.is_compiling():  # (the CPU graphs run only where the kernels are built)
+                y = torch.ops.radixray.onednn_linear(x, self.packed, self.bias, self.out_features)
             else:
                 y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y[:rows] if x.shape[0] != rows else y
