@@ -33,13 +33,19 @@ import argparse
 import gc
 import os
 import random
+import shutil
 import time
 
 import torch
 import torch.nn.functional as F
 
 from engine import Engine, SamplingParams
-from engine.builtin_model import cached_random_checkpoint, llama_config
+from engine.builtin_model import (
+    byte_level_tokenizer,
+    cached_random_checkpoint,
+    llama_config,
+    write_checkpoint,
+)
 from kernels.cpu_linear import Linear, onednn_linear_works
 
 BENCH_ARCH = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
@@ -57,6 +63,28 @@ OVERHEAD_ARCH = dict(ROOFLINE_ARCH, vocab_size=256, hidden_size=16, intermediate
 def bench_model_path() -> str:
     """The ~50M-parameter random Llama used by every case (built once, cached)."""
     return cached_random_checkpoint("bench-llama-50m-v1", llama_config(**BENCH_ARCH), std=0.02)
+
+
+def layer_skip_draft(path: str, layers: int) -> str:
+    """A draft model made of a checkpoint's first `layers` layers (same embedding, final norm and
+    head: LayerSkip-style self-speculation), built once beside it."""
+    import json
+
+    from safetensors.torch import load_file
+
+    out = f"{path}-first{layers}"
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = {**json.load(f), "num_hidden_layers": layers}
+    weights = {k: v for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    tmp = write_checkpoint(f"{out}.tmp{os.getpid()}", cfg, weights, byte_level_tokenizer())
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process built it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, rng: random.Random) -> list[list[int]]:
@@ -231,7 +259,9 @@ def case_overlap(path: str, scale: float) -> None:
 def case_spec(path: str, scale: float, stories: str | None = None) -> None:
     rng = random.Random(6)
     out_len = max(32, int(128 * scale))
-    workloads = [("loops", path, random_prompts(8, 32, 32, BENCH_ARCH["vocab_size"], rng))]
+    # (name, target, its draft model, prompts): the bench model drafts with its own first 2 of 8
+    # layers; stories260K (one trained model of its tokenizer) drafts with itself.
+    workloads = [("loops", path, layer_skip_draft(path, 2), random_prompts(8, 32, 32, BENCH_ARCH["vocab_size"], rng))]
     stories = stories or (os.path.join(os.environ["RADIXRAY_TEST_DATA"], "models", "stories260K")
                           if os.environ.get("RADIXRAY_TEST_DATA") else None)
     if stories:
@@ -242,13 +272,14 @@ def case_spec(path: str, scale: float, stories: str | None = None) -> None:
                  "One day, a big bear came to the forest. The bear was", "Sue had a red ball. She liked to play",
                  "The sun was shining. Max wanted to go outside", "There was a little bird who could not fly.",
                  "Mom said, \"Let's bake a cake!\" Ben was happy.", "The boat went on the water. The kids"]
-        workloads.append(("stories", stories, [tok.encode(t) for t in texts]))
-    for name, model, prompts in workloads:
+        workloads.append(("stories", stories, stories, [tok.encode(t) for t in texts]))
+    for name, model, draft, prompts in workloads:
         for bs in (1, 8):
-            rates, spec = {}, None
-            for algo in ("ngram", None):
+            rates, spec = {}, {}
+            for algo in ("ngram", "draft_model", None):
                 eng = Engine(model_path=model, max_total_tokens=16384, speculative_algorithm=algo,
-                             speculative_num_draft_tokens=4)
+                             speculative_num_draft_tokens=4,
+                             speculative_draft_model_path=draft if algo == "draft_model" else None)
                 run_engine(eng, prompts[:bs], [4] * bs)  # warm-up
                 eng.step_seconds.clear()
                 before = eng.stats()
@@ -260,11 +291,12 @@ def case_spec(path: str, scale: float, stories: str | None = None) -> None:
                     drafted = after.spec_draft_tokens - before.spec_draft_tokens
                     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
                     steps = after.spec_verify_requests - before.spec_verify_requests
-                    spec = (accepted / max(drafted, 1), (accepted + steps) / max(steps, 1))
+                    spec[algo] = (accepted / max(drafted, 1), (accepted + steps) / max(steps, 1))
                 del eng
-            print(f"spec       {name} bs={bs}: ngram={rates['ngram']:,.1f} decode tok/s  off={rates[None]:,.1f}  "
-                  f"speedup={rates['ngram'] / rates[None]:.2f}x  acceptance={spec[0]:.0%}  "
-                  f"mean accepted length={spec[1]:.2f} (floor 2x at bs=1 where the length is >= 3)", flush=True)
+            line = "  ".join(f"{algo}={rates[algo]:,.1f} decode tok/s ({rates[algo] / rates[None]:.2f}x, acceptance="
+                             f"{spec[algo][0]:.0%}, mean accepted length={spec[algo][1]:.2f})" for algo in spec)
+            print(f"spec       {name} bs={bs}: {line}  off={rates[None]:,.1f}  "
+                  f"(floor 2x at bs=1 where the length is >= 3)", flush=True)
 
 
 STRUCTURED_SCHEMA = {

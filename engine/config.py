@@ -12,7 +12,7 @@ from engine.builtin_model import resolve_model_path
 from engine.errors import ConfigError
 
 SchedulePolicy = Literal["fcfs", "lpm"]
-SpeculativeAlgorithm = Literal["ngram"]
+SpeculativeAlgorithm = Literal["ngram", "draft_model"]
 AttentionBackendName = Literal["torch", "triton", "flash_attn"]
 LinearBackend = Literal["auto", "native", "onednn", "torch"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -76,9 +76,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     linear_backend: LinearBackend = "auto"
     disable_cuda_graph: bool = False  # decode/IDLE graphs on CUDA (with a graph-safe backend)
     # Decode graphs on the CPU: the decode forward compiled with torch.compile once per batch-size
-    # bucket (the CUDA-graph ladder), lazily, the first time a bucket runs (engine/cpu_graph.py).
+    # bucket (the CUDA-graph ladder), at start-up (engine/cpu_graph.py).
     # RADIXRAY_CPU_GRAPHS=0 in the environment turns them off for the whole process.
     disable_cpu_graph: bool = False
+    cpu_graph_lazy: bool = False  # compile a bucket the first time it runs instead (faster start)
     cuda_graph_max_bs: int = 64  # the largest batch of the graph ladder (CUDA and CPU graphs)
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
@@ -92,8 +93,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # reduce the partial outputs back, or "all_to_all": each (token, expert) row to the member
     # holding the expert and its output back (fewer bytes as the group grows; one more collective).
     moe_dispatch: MoeDispatch = "gather"
-    # Speculative decoding: "ngram" drafts from the request's own tokens (prompt lookup).
+    # Speculative decoding: "ngram" drafts from the request's own tokens (prompt lookup),
+    # "draft_model" from a small model with the same tokenizer (speculative_draft_model_path).
     speculative_algorithm: SpeculativeAlgorithm | None = None
+    speculative_draft_model_path: str | None = None
     speculative_num_draft_tokens: int = 4  # k: drafts verified per request per step
     speculative_ngram_min: int = 2  # the shortest suffix n-gram looked up
     speculative_ngram_max: int = 4  # the longest (tried first)
@@ -124,6 +127,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
              "need 0 < min_new_token_ratio <= init_new_token_ratio <= 1")
         need(self.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS),
              f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or None")
+        need((self.speculative_algorithm == "draft_model") == bool(self.speculative_draft_model_path),
+             "speculative_draft_model_path goes with speculative_algorithm='draft_model' (and it needs one)")
         need(1 <= self.speculative_num_draft_tokens <= 64, "speculative_num_draft_tokens must be in [1, 64]")
         need(1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
              "need 1 <= speculative_ngram_min <= speculative_ngram_max")

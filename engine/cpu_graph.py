@@ -4,7 +4,9 @@ A DECODE (or IDLE) batch is padded to the next size of the CUDA-graph ladder, as
 (padded rows: request row 0, seq_len 1, KV slot 0: inert), copied into static input buffers and
 run by that size's compiled forward: the model's decode forward (`forward_decode`, through the
 attention backend's fused RoPE + KV store + attention) compiled by torch.compile with inductor's
-C++ backend, the first time the size runs. The CPU kernels stay inside as opaque operators
+C++ backend: every size at start-up, as CUDA graphs are captured (a compile in the middle of
+serving would stall every running stream for its duration), or, with cpu_graph_lazy, the first
+time the size runs. The CPU kernels stay inside as opaque operators
 (`torch.ops.radixray.*`: the GEMM, the fused attention, the fused norms); inductor fuses what lies
 between them (embedding, SiLU-and-multiply, q/k norms) and the step runs without per-op Python.
 
@@ -51,6 +53,16 @@ class CpuGraphRunner:
         self.compile_seconds: dict[int, float] = {}  # by size: compile (and first run) wall time
         self.failed: dict[int, str] = {}  # sizes that run eagerly, and why
         self.replays = 0  # batches run by a compiled graph
+
+    def compile_all(self) -> float:
+        """Compile every size of the ladder now, on padding rows only; returns the seconds taken."""
+        t0 = time.perf_counter()
+        for name, pad in _PAD.items():
+            getattr(self.static, name).fill_(pad)
+        for size in self.ladder:
+            if size not in self.compiled and size not in self.failed:
+                self._compile_and_run(size, 0)
+        return time.perf_counter() - t0
 
     def can_run(self, fb: ForwardBatch) -> bool:
         if fb.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE) or fb.batch_size > self.ladder[-1]:

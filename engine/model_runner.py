@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -18,6 +19,7 @@ from engine.speculative import VerifyResult, verify
 from kernels import cpu_kernels
 from kernels.cpu_linear import LinearKind, native_linear_works, onednn_linear_works
 
+log = logging.getLogger("radixray.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 256 << 20  # default KV pool on CPU when max_total_tokens is not set
 
@@ -117,6 +119,9 @@ class ModelRunner:
             from engine.cpu_graph import CpuGraphRunner
 
             self.graph_runner = CpuGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
+            if not config.cpu_graph_lazy:
+                seconds = self.graph_runner.compile_all()
+                log.info("CPU decode graphs for batch sizes %s compiled in %.1f s", self.graph_runner.ladder, seconds)
         # Greedy ids of a plain greedy batch land here (the kernel's argmax), and go to the host
         # as a list at once, so the buffers are free for the next batch.
         self.greedy_ids = self.greedy_void = None

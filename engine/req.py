@@ -77,6 +77,8 @@ class Req:
         return self.finished_reason is not None
 
     def release_kv_state(self) -> None:
+        if self.spec_state is not None:  # a draft model's KV of this request goes too
+            self.spec_state = self.spec_state.release()
         self.req_pool_idx = None
         self.kv_len = 0
         self.prefix_indices = _EMPTY

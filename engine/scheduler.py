@@ -16,15 +16,16 @@ from collections.abc import Callable
 
 from engine.cache_manager import CacheManager
 from engine.config import EngineConfig
+from engine.draft_model import DraftModelDrafter
 from engine.errors import EngineDeadError, ErrorKind
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.grammar import GrammarError
-from engine.model_runner import PendingSample
+from engine.model_runner import ModelRunner, PendingSample
 from engine.prefill_adder import AddResult, PrefillAdder
 from engine.req import FinishReason, Req
 from engine.sampling import SampleResult
 from engine.schedule_batch import ScheduleBatch
-from engine.speculative import NgramDrafter, VerifyResult
+from engine.speculative import Drafter, NgramDrafter, VerifyResult
 
 IN_BATCH_PREFIX_LEN = 32  # shared head length that defers a request to the next prefill round
 # Batches that fail in a row before the engine gives up (a broken device, not a bad request).
@@ -37,6 +38,17 @@ def _raiser(error: Exception) -> Callable[[], SampleResult]:
     def wait() -> SampleResult:
         raise error
     return wait
+
+
+def make_drafter(config: EngineConfig, model_runner: ModelRunner) -> Drafter | None:
+    """The drafter config.speculative_algorithm names (None: no speculation)."""
+    k = config.speculative_num_draft_tokens
+    if config.speculative_algorithm == "ngram":
+        return NgramDrafter(k, config.speculative_ngram_min, config.speculative_ngram_max)
+    if config.speculative_algorithm == "draft_model":
+        rows = model_runner.req_to_token_pool.size  # its KV holds only running requests (no cache)
+        return DraftModelDrafter(config, model_runner.model_config, rows, model_runner.max_total_tokens + rows * k)
+    return None
 
 
 class StepStrategy:
@@ -106,9 +118,7 @@ class Scheduler:
         self.inflight: tuple[ScheduleBatch, Callable[[], SampleResult]] | None = None
         self.overlapped_steps = 0  # decode batches launched while the previous one still ran
         # Speculative decoding: decode batches become TARGET_VERIFY batches of drafts.
-        self.drafter = (NgramDrafter(config.speculative_num_draft_tokens, config.speculative_ngram_min,
-                                     config.speculative_ngram_max)
-                        if config.speculative_algorithm == "ngram" else None)
+        self.drafter = make_drafter(config, model_runner)
         self.spec_draft_tokens = 0  # drafts scored by verify forwards
         self.spec_accepted_tokens = 0  # drafts kept
         self.spec_verify_requests = 0  # (request, verify step) pairs
@@ -306,8 +316,8 @@ class Scheduler:
     def _drafts(self, reqs: list[Req]) -> list[list[int]] | None:
         """Each running request's drafts (never past its max_new_tokens or the context), or
         None when there are none or the pool cannot hold them (a plain decode step then)."""
-        drafts = [self.drafter.propose(r, min(r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
-                                              self.max_context_len - r.seqlen)) for r in reqs]
+        drafts = self.drafter.propose_batch(reqs, [min(r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
+                                                       self.max_context_len - r.seqlen) for r in reqs])
         need = len(reqs) + sum(map(len, drafts))
         if need == len(reqs) or need > self.cache.available_size():
             return None
@@ -487,5 +497,7 @@ class Scheduler:
 
     # ---- integrity ---------------------------------------------------------------------------
     def check_memory(self) -> None:
-        """The idle invariant (see CacheManager.check_idle)."""
+        """The idle invariant (see CacheManager.check_idle), and the drafter's."""
         self.cache.check_idle()
+        if self.drafter is not None:
+            self.drafter.check_idle()

@@ -19,44 +19,42 @@ from engine.req import Req
 from engine.sampling import apply_penalties, filtered_probs
 
 
-class NgramDrafter:
-    """Prompt lookup: the last n tokens (n from max_n down to min_n) are looked up among the
-    request's earlier tokens; the k tokens that followed their latest occurrence are the draft
-    (a continuation that runs into the present repeats with the match's period, as a loop
-    would). Each request keeps an index n-gram -> where its latest continuation starts,
-    extended as tokens arrive, so a proposal costs O(k), not a scan of the sequence.
+class AdaptiveDepth:
+    """A request's drafting depth: it doubles (up to k) after a verify that kept every draft,
+    halves after one that kept none, and at zero the request decodes plainly for COOLDOWN steps."""
 
-    Depth adapts per request: it doubles (up to k) after a step that kept every draft, halves
-    after one that kept none, and at zero the request decodes plainly for COOLDOWN steps."""
+    __slots__ = ("depth", "cooldown")
+
+    def __init__(self, depth: int) -> None:
+        self.depth, self.cooldown = depth, 0
+
+    def depth_now(self, limit: int) -> int:
+        """How many drafts to propose this step (0 while cooling down, counting the step)."""
+        if self.cooldown:
+            self.cooldown -= 1
+            return 0
+        return max(0, min(self.depth, limit))
+
+    def release(self) -> AdaptiveDepth | None:
+        """The request's KV was released (it ended or was retracted): the state to keep (None:
+        start afresh). A drafter whose state holds memory frees it here."""
+        return self
+
+
+class Drafter:
+    """What the scheduler asks of a drafter: up to `limit` draft tokens per running request, and
+    feedback after each verify. Per-request state lives in `req.spec_state` (an AdaptiveDepth)."""
 
     COOLDOWN = 8
 
-    def __init__(self, k: int, min_n: int, max_n: int) -> None:
-        self.k, self.min_n, self.max_n = k, min_n, max_n
+    def __init__(self, k: int) -> None:
+        self.k = k
 
     def propose(self, req: Req, limit: int) -> list[int]:
-        """Up to min(depth, limit) draft tokens for the request's next positions."""
-        tokens = req.fill_ids
-        state = req.spec_state or _NgramState(self.k)
-        for e in range(max(state.indexed, self.min_n), len(tokens)):
-            for n in range(self.min_n, min(self.max_n, e) + 1):
-                state.index[tuple(tokens[e - n:e])] = e
-        state.indexed = len(tokens)
-        req.spec_state = state
-        if state.cooldown:
-            state.cooldown -= 1
-            return []
-        limit = min(state.depth, limit)
-        if limit <= 0:
-            return []
-        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            start = state.index.get(tuple(tokens[len(tokens) - n:]))
-            if start is not None:
-                draft: list[int] = []
-                for pos in range(start, start + limit):
-                    draft.append(tokens[pos] if pos < len(tokens) else draft[pos - len(tokens)])
-                return draft
-        return []
+        return self.propose_batch([req], [limit])[0]
+
+    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        return [self.propose(r, limit) for r, limit in zip(reqs, limits)]
 
     def feedback(self, req: Req, drafted: int, accepted: int) -> None:
         state = req.spec_state
@@ -69,14 +67,51 @@ class NgramDrafter:
             if state.depth == 0:
                 state.depth, state.cooldown = 1, self.COOLDOWN
 
+    def check_idle(self) -> None:
+        """The idle invariant of the drafter's own memory, if it has any."""
 
-class _NgramState:
-    __slots__ = ("index", "indexed", "depth", "cooldown")
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: the last n tokens (n from max_n down to min_n) are looked up among the
+    request's earlier tokens; the k tokens that followed their latest occurrence are the draft
+    (a continuation that runs into the present repeats with the match's period, as a loop
+    would). Each request keeps an index n-gram -> where its latest continuation starts,
+    extended as tokens arrive, so a proposal costs O(k), not a scan of the sequence. Depth
+    adapts per request (AdaptiveDepth)."""
+
+    def __init__(self, k: int, min_n: int, max_n: int) -> None:
+        super().__init__(k)
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, req: Req, limit: int) -> list[int]:
+        """Up to min(depth, limit) draft tokens for the request's next positions."""
+        tokens = req.fill_ids
+        state = req.spec_state or _NgramState(self.k)
+        for e in range(max(state.indexed, self.min_n), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                state.index[tuple(tokens[e - n:e])] = e
+        state.indexed = len(tokens)
+        req.spec_state = state
+        limit = state.depth_now(limit)
+        if limit <= 0:
+            return []
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            start = state.index.get(tuple(tokens[len(tokens) - n:]))
+            if start is not None:
+                draft: list[int] = []
+                for pos in range(start, start + limit):
+                    draft.append(tokens[pos] if pos < len(tokens) else draft[pos - len(tokens)])
+                return draft
+        return []
+
+
+class _NgramState(AdaptiveDepth):
+    __slots__ = ("index", "indexed")
 
     def __init__(self, depth: int) -> None:
+        super().__init__(depth)
         self.index: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # tokens whose n-grams are in the index
-        self.depth, self.cooldown = depth, 0
 
 
 class VerifyResult(msgspec.Struct):

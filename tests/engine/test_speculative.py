@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram drafts, TARGET_VERIFY): greedy output identical to plain decoding
-in every batching mode, stops inside an accepted block, aborts, the memory invariant; and the
-rejection sampler keeps the target distribution (chi-square), which a broken rule fails."""
+"""Speculative decoding (n-gram drafts and a draft model, TARGET_VERIFY): greedy output identical
+to plain decoding in every batching mode, stops inside an accepted block, aborts, the memory
+invariant (the draft model's pool too); and the rejection sampler keeps the target distribution
+(chi-square), which a broken rule fails."""
 
 from __future__ import annotations
 
@@ -10,10 +11,45 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
+from engine.builtin_model import byte_level_tokenizer, random_llama_weights, write_checkpoint
+from engine.errors import ConfigError
 from engine.req import Req
 from engine.speculative import NgramDrafter, verify
+from tests.conftest import MODEL_CONFIGS
 
 NGRAM = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+DRAFTERS = ("ngram", "draft_self", "draft_other")
+NEAR_DRAFT_NOISE = 0.3
+
+
+@pytest.fixture(scope="session")
+def near_draft(model_dirs, tmp_path_factory) -> str:
+    """A draft model that agrees with the "llama" target often but not always: its weights plus noise."""
+    cfg = dict(MODEL_CONFIGS["llama"])
+    target = random_llama_weights(cfg, seed=1, std=0.15)
+    noise = random_llama_weights(cfg, seed=7, std=0.15)
+    weights = {k: v + NEAR_DRAFT_NOISE * noise[k] for k, v in target.items()}
+    return write_checkpoint(str(tmp_path_factory.mktemp("drafts") / "near"), cfg, weights, byte_level_tokenizer())
+
+
+def spec(drafter: str, model_dirs, near_draft: str | None = None) -> dict:
+    """Engine options of a drafter: n-gram, or a draft model that is the target itself (its
+    drafts are the target's own argmax: all accepted) or another model with the same tokenizer
+    (the target's weights plus noise: some drafts kept, some not)."""
+    if drafter == "ngram":
+        return NGRAM
+    draft = model_dirs["llama"] if drafter == "draft_self" else near_draft
+    return dict(speculative_algorithm="draft_model", speculative_draft_model_path=draft,
+                speculative_num_draft_tokens=4)
+
+
+def check_acceptance(drafter: str, eng: Engine) -> None:
+    s = eng.stats()
+    assert s.batches_by_mode["TARGET_VERIFY"] > 0
+    if drafter == "draft_self":  # same weights, same argmax: every draft is kept
+        assert 0 < s.spec_accepted_tokens == s.spec_draft_tokens
+    else:
+        assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
 
 
@@ -35,19 +71,40 @@ def run(path: str, ids: list[list[int]], params, **engine) -> tuple[list, Engine
     return outs, eng
 
 
-@pytest.mark.parametrize("mode", [
+MODES = [
     {}, {"disable_radix_cache": True}, {"chunked_prefill_size": 16},
     {"enable_mixed_chunk": True, "chunked_prefill_size": 16, "max_prefill_tokens": 32},
     {"max_total_tokens": 360, "max_running_requests": 8},  # retraction under a tight pool
     {"enable_overlap": True}, {"schedule_policy": "lpm", "speculative_num_draft_tokens": 7},
-])
-def test_greedy_output_is_unchanged(model_dirs, mode):
+]
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS[:2])
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_output_is_unchanged(model_dirs, mode, drafter):
     path, ids = model_dirs["llama"], prompts()
     ref, _ = run(path, ids, GREEDY, **{k: v for k, v in mode.items() if not k.startswith("speculative")})
-    got, eng = run(path, ids, GREEDY, **{**NGRAM, **mode})
+    got, eng = run(path, ids, GREEDY, **{**spec(drafter, model_dirs), **mode})
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    s = eng.stats()
-    assert s.batches_by_mode["TARGET_VERIFY"] > 0 and 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+    check_acceptance(drafter, eng)
+
+
+@pytest.mark.parametrize("mode", [MODES[0], MODES[3], MODES[4]])
+def test_greedy_output_is_unchanged_with_another_draft_model(model_dirs, near_draft, mode):
+    """Drafts the target mostly rejects: the draft KV of rejected drafts is dropped and caught
+    up again, in plain, MIXED and retracting runs."""
+    path, ids = model_dirs["llama"], prompts()
+    ref, _ = run(path, ids, GREEDY, **mode)
+    got, eng = run(path, ids, GREEDY, **{**spec("draft_other", model_dirs, near_draft), **mode})
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    check_acceptance("draft_other", eng)
+
+
+def test_draft_model_config_errors(model_dirs):
+    with pytest.raises(ConfigError, match="speculative_draft_model_path"):
+        Engine(model_path=model_dirs["llama"], speculative_algorithm="draft_model")
+    with pytest.raises(ConfigError, match="speculative_draft_model_path"):
+        Engine(model_path=model_dirs["llama"], speculative_draft_model_path=model_dirs["qwen2"])
 
 
 def test_greedy_on_real_text(model_dirs):
@@ -62,7 +119,8 @@ def test_greedy_on_real_text(model_dirs):
     eng.check_memory()
 
 
-def test_stops_inside_an_accepted_block(model_dirs):
+@pytest.mark.parametrize("drafter", DRAFTERS[:2])
+def test_stops_inside_an_accepted_block(model_dirs, drafter):
     """max_new_tokens and stop strings or stop token ids that fall mid-block end the request
     exactly where plain decoding ends it; logprobs come for every emitted token."""
     path, ids = model_dirs["llama"], prompts(4, seed=3)
@@ -79,7 +137,7 @@ def test_stops_inside_an_accepted_block(model_dirs):
                                      stop=[text[len(text) // 2:len(text) // 2 + 3]] if len(text) > 8 else []))
     many = [i for i in ids for _ in range(3)]
     ref, _ = run(path, many, params)
-    got, eng = run(path, many, params, **NGRAM)
+    got, eng = run(path, many, params, **spec(drafter, model_dirs))
     assert [(o.token_ids, o.finish_reason, o.text) for o in got] == [(o.token_ids, o.finish_reason, o.text)
                                                                      for o in ref]
     for o in got[::3]:
@@ -90,8 +148,9 @@ def test_stops_inside_an_accepted_block(model_dirs):
     assert eng.stats().spec_accepted_tokens > 0
 
 
-def test_abort_while_verifying(model_dirs):
-    eng = Engine(model_path=model_dirs["llama"], **NGRAM)
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_abort_while_verifying(model_dirs, near_draft, drafter):
+    eng = Engine(model_path=model_dirs["llama"], **spec(drafter, model_dirs, near_draft))
     params = SamplingParams(max_new_tokens=500, temperature=0, ignore_eos=True)
     ids = prompts(2, seed=5)
     streams = [eng.stream(input_ids=i, sampling_params=params) for i in ids]

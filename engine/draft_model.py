@@ -1,0 +1,172 @@
+"""The draft-model drafter: a small model with the target's tokenizer proposes up to k tokens per
+request for a TARGET_VERIFY batch.
+
+It owns a ModelRunner of its own (weights, KV pool, request rows); the target's radix cache is
+not shared, because a draft model's KV is cheap to recompute. Per verify step it runs one
+DRAFT_EXTEND_V2 batch, which catches each request's draft KV up on the tokens the draft model has
+not seen (the whole prompt at first, then what the last verify emitted) and yields the first
+draft, then one DECODE batch per further draft position. Drafts are the draft model's argmax: a
+deterministic proposal (q one-hot), which is what the verify rule for sampling assumes.
+
+What the draft model was fed beyond the accepted tokens is matched against the request's tokens
+at the next proposal: the part that agrees keeps its KV, the rest goes back to the pool."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import ConfigError, MemoryInvariantError
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.model_runner import ModelRunner
+from engine.req import Req
+from engine.speculative import AdaptiveDepth, Drafter
+
+
+class _DraftState(AdaptiveDepth):
+    """A request's draft KV: its row in the draft pool and how many positions it holds, of which
+    the last len(fed) are the drafts fed from position fed_from (unconfirmed)."""
+
+    __slots__ = ("drafter", "row", "kv_len", "fed_from", "fed")
+
+    def __init__(self, drafter: DraftModelDrafter, row: int, depth: int) -> None:
+        super().__init__(depth)
+        self.drafter, self.row, self.kv_len = drafter, row, 0
+        self.fed_from, self.fed = 0, []
+
+    def release(self) -> None:
+        self.drafter.release(self)
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, config: EngineConfig, target: ModelConfig, max_running: int, pool_tokens: int) -> None:
+        super().__init__(config.speculative_num_draft_tokens)
+        path = config.speculative_draft_model_path
+        if not path:
+            raise ConfigError("speculative_algorithm='draft_model' needs speculative_draft_model_path")
+        draft_config = config.replace(speculative_algorithm=None, speculative_draft_model_path=None,
+                                      max_total_tokens=pool_tokens, max_running_requests=max_running,
+                                      max_context_len=None, enable_overlap=False)
+        self.runner = ModelRunner(draft_config, path)
+        if self.runner.model_config.vocab_size != target.vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({self.runner.model_config.vocab_size} tokens) "
+                              f"differs from the target's ({target.vocab_size}): they must share a tokenizer")
+        self.device = self.runner.device
+        self.rows = self.runner.req_to_token_pool
+        self.allocator = self.runner.allocator
+        self.live: dict[int, _DraftState] = {}  # by row: the states holding draft KV
+
+    # ---- per-request state -----------------------------------------------------------------
+    def _state(self, req: Req) -> _DraftState | None:
+        state = req.spec_state
+        if state is None:
+            row = self.rows.alloc()
+            if row is None:
+                return None
+            state = req.spec_state = self.live[row] = _DraftState(self, row, self.k)
+        return state
+
+    def _slots(self, state: _DraftState, start: int, end: int) -> torch.Tensor:
+        return self.rows.req_to_token[state.row, start:end].to(torch.int64)
+
+    def _reconcile(self, state: _DraftState, tokens: list[int]) -> None:
+        """Keep the fed drafts the request's tokens agree with (a plain decode step may have come
+        between: the pool had no room for a verify); free the KV of the others."""
+        keep = state.fed_from
+        for j, t in enumerate(state.fed):
+            if state.fed_from + j >= len(tokens) or tokens[state.fed_from + j] != t:
+                break
+            keep += 1
+        keep = min(keep, state.kv_len) if state.fed else state.kv_len
+        # The last token is always fed again: its logits give the first draft.
+        keep = min(keep, len(tokens) - 1)
+        if keep < state.kv_len:
+            self.allocator.free(self._slots(state, keep, state.kv_len))
+            state.kv_len = keep
+        state.fed = []
+
+    def release(self, state: _DraftState) -> None:
+        """The request ended or was retracted: its draft KV and row go back to the pool."""
+        if self.live.pop(state.row, None) is None:
+            return
+        self.allocator.free(self._slots(state, 0, state.kv_len))
+        self.rows.free(state.row)
+        state.kv_len, state.fed = 0, []
+
+    # ---- proposals -------------------------------------------------------------------------
+    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in reqs]
+        work: list[tuple[int, _DraftState, list[int], int]] = []  # (index, state, tokens, depth)
+        for i, (req, limit) in enumerate(zip(reqs, limits)):
+            state = self._state(req)
+            if state is None:
+                continue
+            tokens = req.fill_ids
+            self._reconcile(state, tokens)
+            # Draft KV is written up to position len(tokens) + n - 2: within the draft's context.
+            n = state.depth_now(min(limit, self.runner.max_context_len - len(tokens) + 1))
+            if n > 0:
+                work.append((i, state, tokens, n))
+        if not work:
+            return drafts
+        need = sum(len(tokens) - state.kv_len + n - 1 for _, state, tokens, n in work)
+        slots = self.allocator.alloc(need)
+        if slots is None:  # the draft pool is full: a plain decode step this time
+            return drafts
+        at = 0
+        for _, state, tokens, n in work:  # each request's new positions, in order
+            count = len(tokens) - state.kv_len + n - 1
+            self.rows.write(state.row, state.kv_len, slots[at:at + count])
+            at += count
+        first = self._extend(work)
+        for (i, state, tokens, _), token in zip(work, first):
+            drafts[i].append(token)
+            state.fed_from = len(tokens)
+        for step in range(1, max(n for *_, n in work)):
+            active = [(i, state, tokens) for i, state, tokens, n in work if n > step]
+            nxt = self._decode([(state, len(tokens) + step - 1, drafts[i][-1]) for i, state, tokens in active])
+            for (i, state, _), token in zip(active, nxt):
+                state.fed.append(drafts[i][-1])
+                drafts[i].append(token)
+        for _, state, tokens, n in work:
+            state.kv_len = len(tokens) + n - 1
+        return drafts
+
+    def _extend(self, work: list[tuple[int, _DraftState, list[int], int]]) -> list[int]:
+        """DRAFT_EXTEND_V2: each request's unseen tokens over its draft KV; the argmax at its last."""
+        prefix = [state.kv_len for _, state, _, _ in work]
+        ext = [len(tokens) - state.kv_len for _, state, tokens, _ in work]
+        input_ids = [t for (_, state, tokens, _) in work for t in tokens[state.kv_len:]]
+        starts = [sum(ext[:j]) for j in range(len(ext))]
+        seq_lens = [p + n for p, n in zip(prefix, ext)]
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DRAFT_EXTEND_V2, batch_size=len(work),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64), seq_lens=torch.tensor(seq_lens),
+            out_cache_loc=torch.cat([self._slots(state, p, s) for (_, state, _, _), p, s in zip(work, prefix, seq_lens)]),
+            req_pool_indices=torch.tensor([state.row for _, state, _, _ in work], device=self.device),
+            positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq_lens)]),
+            extend_seq_lens=torch.tensor(ext), extend_start_loc=torch.tensor(starts), seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=ext, last_token_indices=torch.tensor([s + n - 1 for s, n in zip(starts, ext)]))
+        return self.runner.forward(fb).argmax(dim=-1).tolist()
+
+    def _decode(self, rows: list[tuple[_DraftState, int, int]]) -> list[int]:
+        """One DECODE step: (state, position, token) per request; the argmax after each."""
+        positions = [pos for _, pos, _ in rows]
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+            input_ids=torch.tensor([t for *_, t in rows], dtype=torch.int64),
+            seq_lens=torch.tensor([p + 1 for p in positions]),
+            out_cache_loc=torch.cat([self._slots(state, p, p + 1) for state, p, _ in rows]),
+            req_pool_indices=torch.tensor([state.row for state, _, _ in rows], device=self.device),
+            positions=torch.tensor(positions), seq_lens_cpu=[p + 1 for p in positions],
+            last_token_indices=torch.arange(len(rows)))
+        return self.runner.forward(fb).argmax(dim=-1).tolist()
+
+    # ---- integrity -------------------------------------------------------------------------
+    def check_idle(self) -> None:
+        if self.live:
+            raise MemoryInvariantError(f"draft KV of {len(self.live)} request(s) still held with none running")
+        if self.allocator.available_size() != self.allocator.size:
+            raise MemoryInvariantError(f"draft KV leak: {self.allocator.size - self.allocator.available_size()} slots")
+        if self.rows.available_size() != self.rows.size:
+            raise MemoryInvariantError(f"draft request rows leaked: {self.rows.size - self.rows.available_size()}")
