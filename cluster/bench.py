@@ -687,15 +687,15 @@ def _frontend_line(r: dict, endpoint: str) -> str:
 
 
 def case_frontend(path: str, scale: float, ingress: tuple[str, ...] = ("proxy", "direct", "haproxy"),
-                  interval_s: float | None = None) -> None:
+                  interval_s: float | None = None, model: str | None = None) -> None:
     """Each ingress mode in a Ray of its own (Serve reads the mode when its processes start),
-    one after the other, each in a child process: stories260K, one engine, 32 streams."""
+    one after the other, each in a child process: stories260K (or `model`), one engine, 32 streams."""
     import subprocess
     import sys
 
     from deploy.ingress import environment
 
-    model = os.path.realpath(FRONTEND_MODEL) if os.path.isdir(FRONTEND_MODEL) else path
+    model = model or (os.path.realpath(FRONTEND_MODEL) if os.path.isdir(FRONTEND_MODEL) else path)
     for mode in ingress:
         argv = [sys.executable, "-m", "cluster.bench", "--frontend-child", mode, "--model", model,
                 "--scale", str(scale)] + ([] if interval_s is None else ["--stream-interval-s", str(interval_s)])
@@ -784,6 +784,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="frontend: the ingress modes to compare, in this order (deploy/ingress.py)")
     ap.add_argument("--stream-interval-s", type=float, default=None,
                     help="frontend: ClusterConfig.stream_interval_s (default: its default)")
+    ap.add_argument("--frontend-model", default=None,
+                    help="frontend: the model to serve (default: stories260K beside the checkout, else the bench model)")
     ap.add_argument("--frontend-child", help=argparse.SUPPRESS)  # one ingress mode, in its own Ray
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
@@ -801,7 +803,8 @@ def main(argv: list[str] | None = None) -> None:
         if name == "frontend":  # its children start a Ray each: none of ours may run meanwhile
             if ray.is_initialized():
                 ray.shutdown()
-            case_frontend(path, scale, ingress=tuple(args.ingress.split(",")), interval_s=args.stream_interval_s)
+            case_frontend(path, scale, ingress=tuple(args.ingress.split(",")), interval_s=args.stream_interval_s,
+                          model=args.frontend_model)
             continue
         if not ray.is_initialized():
             ray.init(address="local", include_dashboard=False, log_to_driver=False)

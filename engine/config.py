@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = get_args(AttentionBackendName)
 LINEAR_BACKENDS = get_args(LinearBackend)
 DTYPES = get_args(DType)
 SPECULATIVE_ALGORITHMS = get_args(SpeculativeAlgorithm)
+DEFAULT_MAX_PREFILL_TOKENS = 16384
 MOE_SPLITS = get_args(MoeSplit)
 MOE_DISPATCHES = get_args(MoeDispatch)
 
@@ -64,7 +65,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_running_requests: int | None = None
     max_context_len: int | None = None  # defaults to the model's max_position_embeddings
     chunked_prefill_size: int | None = None  # None: no chunking beyond max_prefill_tokens
-    max_prefill_tokens: int | None = None  # None: 16384
+    max_prefill_tokens: int | None = None  # None: DEFAULT_MAX_PREFILL_TOKENS
     schedule_policy: SchedulePolicy = "fcfs"
     disable_radix_cache: bool = False
     enable_mixed_chunk: bool = False

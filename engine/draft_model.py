@@ -13,14 +13,20 @@ at the next proposal: the part that agrees keeps its KV, the rest goes back to t
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.builtin_model import resolve_model_path
+from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig, ModelConfig
 from engine.errors import ConfigError, MemoryInvariantError
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.model_runner import ModelRunner
 from engine.req import Req
 from engine.speculative import AdaptiveDepth, Drafter
+
+log = logging.getLogger("radixray.engine")
 
 
 class _DraftState(AdaptiveDepth):
@@ -38,23 +44,37 @@ class _DraftState(AdaptiveDepth):
         self.drafter.release(self)
 
 
+@dataclass
+class _Work:
+    """One request of a proposal: its draft KV is fed up to fed_end, then n drafts are made."""
+
+    index: int
+    state: _DraftState
+    tokens: list[int]
+    fed_end: int
+    n: int
+
+
 class DraftModelDrafter(Drafter):
-    def __init__(self, config: EngineConfig, target: ModelConfig, max_running: int, pool_tokens: int) -> None:
+    def __init__(self, config: EngineConfig, target: ModelConfig, target_context_len: int, max_running: int,
+                 pool_tokens: int) -> None:
         super().__init__(config.speculative_num_draft_tokens)
-        path = config.speculative_draft_model_path
-        if not path:
-            raise ConfigError("speculative_algorithm='draft_model' needs speculative_draft_model_path")
+        path = resolve_model_path(config.speculative_draft_model_path)
+        vocab = ModelConfig.from_dir(path).vocab_size  # checked before the weights load
+        if vocab != target.vocab_size:
+            raise ConfigError(f"the draft model's vocabulary ({vocab} tokens) differs from the target's "
+                              f"({target.vocab_size}): they must share a tokenizer")
         draft_config = config.replace(speculative_algorithm=None, speculative_draft_model_path=None,
                                       max_total_tokens=pool_tokens, max_running_requests=max_running,
-                                      max_context_len=None, enable_overlap=False)
+                                      max_context_len=target_context_len + self.k, enable_overlap=False)
         self.runner = ModelRunner(draft_config, path)
-        if self.runner.model_config.vocab_size != target.vocab_size:
-            raise ConfigError(f"the draft model's vocabulary ({self.runner.model_config.vocab_size} tokens) "
-                              f"differs from the target's ({target.vocab_size}): they must share a tokenizer")
         self.device = self.runner.device
         self.rows = self.runner.req_to_token_pool
         self.allocator = self.runner.allocator
+        # A catch-up extend runs inside scheduling: at most this many tokens per proposal.
+        self.max_catch_up = config.chunked_prefill_size or config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS
         self.live: dict[int, _DraftState] = {}  # by row: the states holding draft KV
+        self.failures = 0  # proposals whose draft forwards raised (the step decoded plainly)
 
     # ---- per-request state -----------------------------------------------------------------
     def _state(self, req: Req) -> _DraftState | None:
@@ -87,16 +107,22 @@ class DraftModelDrafter(Drafter):
 
     def release(self, state: _DraftState) -> None:
         """The request ended or was retracted: its draft KV and row go back to the pool."""
-        if self.live.pop(state.row, None) is None:
+        if self.live.get(state.row) is not state:
             return
+        del self.live[state.row]
         self.allocator.free(self._slots(state, 0, state.kv_len))
         self.rows.free(state.row)
         state.kv_len, state.fed = 0, []
 
     # ---- proposals -------------------------------------------------------------------------
-    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+    def propose(self, req: Req, limit: int) -> list[int]:
+        return self.propose_batch([req], [limit])[0]
+
+    def propose_batch(self, reqs: list[Req], limits: list[int], room: int | None = None) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in reqs]
-        work: list[tuple[int, _DraftState, list[int], int]] = []  # (index, state, tokens, depth)
+        room = (1 << 62) if room is None else room  # draft tokens the target's pool can verify
+        catch_up, free = self.max_catch_up, self.allocator.available_size()
+        work: list[_Work] = []
         for i, (req, limit) in enumerate(zip(reqs, limits)):
             state = self._state(req)
             if state is None:
@@ -104,46 +130,62 @@ class DraftModelDrafter(Drafter):
             tokens = req.fill_ids
             self._reconcile(state, tokens)
             # Draft KV is written up to position len(tokens) + n - 2: within the draft's context.
-            n = state.depth_now(min(limit, self.runner.max_context_len - len(tokens) + 1))
-            if n > 0:
-                work.append((i, state, tokens, n))
+            n = min(state.depth_now(min(limit, self.runner.max_context_len - len(tokens) + 1)), room)
+            unseen = len(tokens) - state.kv_len
+            if unseen > catch_up:  # too long for this step: catch up on part of it, no draft yet
+                unseen, n = catch_up, 0
+            if unseen == 0 or unseen + max(n - 1, 0) > free:
+                continue
+            work.append(_Work(i, state, tokens, state.kv_len + unseen, n))
+            catch_up, free, room = catch_up - unseen, free - unseen - max(n - 1, 0), room - n
         if not work:
             return drafts
-        need = sum(len(tokens) - state.kv_len + n - 1 for _, state, tokens, n in work)
-        slots = self.allocator.alloc(need)
-        if slots is None:  # the draft pool is full: a plain decode step this time
-            return drafts
+        slots = self.allocator.alloc(sum(w.fed_end - w.state.kv_len + max(w.n - 1, 0) for w in work))
         at = 0
-        for _, state, tokens, n in work:  # each request's new positions, in order
-            count = len(tokens) - state.kv_len + n - 1
-            self.rows.write(state.row, state.kv_len, slots[at:at + count])
+        for w in work:  # each request's new positions, in order
+            count = w.fed_end - w.state.kv_len + max(w.n - 1, 0)
+            self.rows.write(w.state.row, w.state.kv_len, slots[at:at + count])
             at += count
-        first = self._extend(work)
-        for (i, state, tokens, _), token in zip(work, first):
-            drafts[i].append(token)
-            state.fed_from = len(tokens)
-        for step in range(1, max(n for *_, n in work)):
-            active = [(i, state, tokens) for i, state, tokens, n in work if n > step]
-            nxt = self._decode([(state, len(tokens) + step - 1, drafts[i][-1]) for i, state, tokens in active])
-            for (i, state, _), token in zip(active, nxt):
-                state.fed.append(drafts[i][-1])
-                drafts[i].append(token)
-        for _, state, tokens, n in work:
-            state.kv_len = len(tokens) + n - 1
+        try:
+            self._run(work, drafts)
+        except Exception:  # drafting is an optimisation: this step decodes plainly instead
+            log.exception("draft model forward failed; decoding without drafts this step")
+            self.failures += 1
+            self.allocator.free(slots)
+            for w in work:
+                w.state.fed = []
+            return [[] for _ in reqs]
+        for w in work:
+            w.state.kv_len = w.fed_end + max(w.n - 1, 0)
         return drafts
 
-    def _extend(self, work: list[tuple[int, _DraftState, list[int], int]]) -> list[int]:
-        """DRAFT_EXTEND_V2: each request's unseen tokens over its draft KV; the argmax at its last."""
-        prefix = [state.kv_len for _, state, _, _ in work]
-        ext = [len(tokens) - state.kv_len for _, state, tokens, _ in work]
-        input_ids = [t for (_, state, tokens, _) in work for t in tokens[state.kv_len:]]
+    def _run(self, work: list[_Work], drafts: list[list[int]]) -> None:
+        """The catch-up extend (first drafts), then a DECODE step per further draft."""
+        first = self._extend(work)
+        for w, token in zip(work, first):
+            if w.n:
+                drafts[w.index].append(token)
+                w.state.fed_from = w.fed_end
+        for step in range(1, max(w.n for w in work)):
+            active = [w for w in work if w.n > step]
+            nxt = self._decode([(w.state, w.fed_end + step - 1, drafts[w.index][-1]) for w in active])
+            for w, token in zip(active, nxt):
+                w.state.fed.append(drafts[w.index][-1])
+                drafts[w.index].append(token)
+
+    def _extend(self, work: list[_Work]) -> list[int]:
+        """DRAFT_EXTEND_V2: each request's unseen tokens (up to fed_end) over its draft KV; the
+        argmax after its last."""
+        prefix = [w.state.kv_len for w in work]
+        seq_lens = [w.fed_end for w in work]
+        ext = [s - p for p, s in zip(prefix, seq_lens)]
+        input_ids = [t for w in work for t in w.tokens[w.state.kv_len:w.fed_end]]
         starts = [sum(ext[:j]) for j in range(len(ext))]
-        seq_lens = [p + n for p, n in zip(prefix, ext)]
         fb = ForwardBatch(
             forward_mode=ForwardMode.DRAFT_EXTEND_V2, batch_size=len(work),
             input_ids=torch.tensor(input_ids, dtype=torch.int64), seq_lens=torch.tensor(seq_lens),
-            out_cache_loc=torch.cat([self._slots(state, p, s) for (_, state, _, _), p, s in zip(work, prefix, seq_lens)]),
-            req_pool_indices=torch.tensor([state.row for _, state, _, _ in work], device=self.device),
+            out_cache_loc=torch.cat([self._slots(w.state, p, s) for w, p, s in zip(work, prefix, seq_lens)]),
+            req_pool_indices=torch.tensor([w.state.row for w in work], device=self.device),
             positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq_lens)]),
             extend_seq_lens=torch.tensor(ext), extend_start_loc=torch.tensor(starts), seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=ext, last_token_indices=torch.tensor([s + n - 1 for s, n in zip(starts, ext)]))

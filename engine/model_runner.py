@@ -139,10 +139,22 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.mem_fraction_static)
+            if self.config.speculative_algorithm == "draft_model":  # leave room for the draft model
+                draft_weights, draft_per_token = self._draft_footprint()
+                budget -= draft_weights
+                per_token += draft_per_token  # its pool has as many tokens as this one
         else:
             budget = CPU_KV_BUDGET_BYTES
         cap = 1 << 20 if self.device.type == "cuda" else 1 << 16
         return max(self.max_context_len, min(budget // per_token, cap))
+
+    def _draft_footprint(self) -> tuple[int, int]:
+        """The draft model's weight bytes (its safetensors files) and KV bytes per token."""
+        path = resolve_model_path(self.config.speculative_draft_model_path)
+        cfg = ModelConfig.from_dir(path)
+        weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+        return weights, KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                                self.dtype)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:

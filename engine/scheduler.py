@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from engine.cache_manager import CacheManager
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig
 from engine.draft_model import DraftModelDrafter
 from engine.errors import EngineDeadError, ErrorKind
 from engine.forward_batch import ForwardBatch, ForwardMode
@@ -46,8 +46,11 @@ def make_drafter(config: EngineConfig, model_runner: ModelRunner) -> Drafter | N
     if config.speculative_algorithm == "ngram":
         return NgramDrafter(k, config.speculative_ngram_min, config.speculative_ngram_max)
     if config.speculative_algorithm == "draft_model":
-        rows = model_runner.req_to_token_pool.size  # its KV holds only running requests (no cache)
-        return DraftModelDrafter(config, model_runner.model_config, rows, model_runner.max_total_tokens + rows * k)
+        # Its KV holds running requests only (no cache): as many tokens as the target's pool (which
+        # left room for it: ModelRunner._default_pool_size), and the drafts.
+        rows = model_runner.req_to_token_pool.size
+        return DraftModelDrafter(config, model_runner.model_config, model_runner.max_context_len, rows,
+                                 model_runner.max_total_tokens + rows * k)
     return None
 
 
@@ -89,7 +92,7 @@ class Scheduler:
         self.decode_tail = decode_tail
         self.max_context_len = model_runner.max_context_len
         self.max_running = model_runner.req_to_token_pool.size
-        self.max_prefill_tokens = config.max_prefill_tokens or 16384
+        self.max_prefill_tokens = config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS
         self.chunk_size = config.chunked_prefill_size or self.max_prefill_tokens
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
@@ -317,7 +320,8 @@ class Scheduler:
         """Each running request's drafts (never past its max_new_tokens or the context), or
         None when there are none or the pool cannot hold them (a plain decode step then)."""
         drafts = self.drafter.propose_batch(reqs, [min(r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
-                                                       self.max_context_len - r.seqlen) for r in reqs])
+                                                       self.max_context_len - r.seqlen) for r in reqs],
+                                            room=self.cache.available_size() - len(reqs))
         need = len(reqs) + sum(map(len, drafts))
         if need == len(reqs) or need > self.cache.available_size():
             return None

@@ -51,9 +51,13 @@ class Drafter:
         self.k = k
 
     def propose(self, req: Req, limit: int) -> list[int]:
-        return self.propose_batch([req], [limit])[0]
+        """Up to `limit` drafts for one request (a drafter implements this or propose_batch)."""
+        raise NotImplementedError
 
-    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+    def propose_batch(self, reqs: list[Req], limits: list[int], room: int | None = None) -> list[list[int]]:
+        """Drafts for each request, up to its limit; `room`: how many draft tokens in all the
+        target's pool can verify (None: no bound). The scheduler decodes plainly when the
+        drafts it gets do not fit."""
         return [self.propose(r, limit) for r, limit in zip(reqs, limits)]
 
     def feedback(self, req: Req, drafted: int, accepted: int) -> None:

@@ -86,6 +86,19 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return dirs
 
 
+@pytest.fixture(scope="session")
+def near_draft(model_dirs, tmp_path_factory) -> str:
+    """A draft model for the "llama" checkpoint that agrees with it often but not always: its
+    weights plus noise (speculative decoding keeps some drafts and rejects others)."""
+    from safetensors.torch import load_file
+
+    target = load_file(os.path.join(model_dirs["llama"], "model.safetensors"))
+    noise = random_llama_weights(MODEL_CONFIGS["llama"], seed=7, std=0.15)
+    weights = {k: v + 0.3 * noise[k] for k, v in target.items()}
+    return write_checkpoint(str(tmp_path_factory.mktemp("drafts") / "near"), dict(MODEL_CONFIGS["llama"]), weights,
+                            byte_level_tokenizer())
+
+
 class HFReference:
     """Greedy continuations from transformers `generate`, cached per (model, prompt, n)."""
 

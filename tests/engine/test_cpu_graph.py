@@ -102,7 +102,7 @@ def test_idle_batch_replays_as_one_inert_padded_row(model_dirs):
     """An IDLE batch (no rows) runs the size-1 graph on the padding row: request row 0, slot 0."""
     eng = graph_engine(model_dirs["llama"])
     mr = eng.model_runner
-    eng.generate(input_ids=prompts(eng, 1, seed=34), sampling_params=GREEDY)  # compiles size 1
+    eng.generate(input_ids=prompts(eng, 1, seed=34), sampling_params=GREEDY)
     kv_before = [t.clone() for t in mr.kv_cache.k]
     empty = torch.empty(0, dtype=torch.int64)
     idle = ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, seq_lens=empty,
@@ -113,6 +113,19 @@ def test_idle_batch_replays_as_one_inert_padded_row(model_dirs):
         assert torch.equal(before[1:], after[1:])  # only the reserved slot 0 was written
     assert int(mr.req_to_token_pool.req_to_token[0].abs().sum()) == 0
     eng.check_memory()
+
+
+def test_every_size_compiles_at_start_up_unless_lazy(model_dirs):
+    """Start-up compiles the whole ladder (no compile stalls a running stream later); warm-up
+    runs are not replays. cpu_graph_lazy compiles a size the first time a batch needs it."""
+    path = model_dirs["llama"]
+    eager_start = graph_engine(path)
+    runner = eager_start.model_runner.graph_runner
+    assert sorted(runner.compiled) == runner.ladder == [1, 2, 4, 8] and runner.replays == 0
+    lazy = graph_engine(path, cpu_graph_lazy=True)
+    assert not lazy.model_runner.graph_runner.compiled
+    lazy.generate(input_ids=prompts(lazy, 1, seed=36), sampling_params=GREEDY)
+    assert sorted(lazy.model_runner.graph_runner.compiled) == [1]
 
 
 def test_a_size_that_fails_to_compile_runs_eagerly(model_dirs, hf, monkeypatch):

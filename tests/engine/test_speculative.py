@@ -11,25 +11,19 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.builtin_model import byte_level_tokenizer, random_llama_weights, write_checkpoint
+from engine.builtin_model import (
+    byte_level_tokenizer,
+    llama_config,
+    random_llama_weights,
+    write_checkpoint,
+)
 from engine.errors import ConfigError
 from engine.req import Req
 from engine.speculative import NgramDrafter, verify
-from tests.conftest import MODEL_CONFIGS
+from tests.conftest import SMALL
 
 NGRAM = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4)
 DRAFTERS = ("ngram", "draft_self", "draft_other")
-NEAR_DRAFT_NOISE = 0.3
-
-
-@pytest.fixture(scope="session")
-def near_draft(model_dirs, tmp_path_factory) -> str:
-    """A draft model that agrees with the "llama" target often but not always: its weights plus noise."""
-    cfg = dict(MODEL_CONFIGS["llama"])
-    target = random_llama_weights(cfg, seed=1, std=0.15)
-    noise = random_llama_weights(cfg, seed=7, std=0.15)
-    weights = {k: v + NEAR_DRAFT_NOISE * noise[k] for k, v in target.items()}
-    return write_checkpoint(str(tmp_path_factory.mktemp("drafts") / "near"), cfg, weights, byte_level_tokenizer())
 
 
 def spec(drafter: str, model_dirs, near_draft: str | None = None) -> dict:
@@ -100,11 +94,47 @@ def test_greedy_output_is_unchanged_with_another_draft_model(model_dirs, near_dr
     check_acceptance("draft_other", eng)
 
 
-def test_draft_model_config_errors(model_dirs):
+def test_draft_model_config_errors(model_dirs, tmp_path):
     with pytest.raises(ConfigError, match="speculative_draft_model_path"):
         Engine(model_path=model_dirs["llama"], speculative_algorithm="draft_model")
     with pytest.raises(ConfigError, match="speculative_draft_model_path"):
         Engine(model_path=model_dirs["llama"], speculative_draft_model_path=model_dirs["qwen2"])
+    cfg = llama_config(**{**SMALL, "vocab_size": 300})
+    other = write_checkpoint(str(tmp_path / "v300"), cfg, random_llama_weights(cfg, seed=3), byte_level_tokenizer())
+    with pytest.raises(ConfigError, match="vocabulary"):
+        Engine(model_path=model_dirs["llama"], speculative_algorithm="draft_model", speculative_draft_model_path=other)
+
+
+def test_a_failing_draft_forward_only_skips_drafting(model_dirs, near_draft):
+    """Drafting is an optimisation: a draft forward that raises costs that step its drafts (and
+    their draft KV goes back to the pool), never a request."""
+    path, ids = model_dirs["llama"], prompts(4, seed=11)
+    ref, _ = run(path, ids, GREEDY)
+    eng = Engine(model_path=path, **spec("draft_other", model_dirs, near_draft))
+    drafter, calls = eng.scheduler.drafter, []
+    forward = drafter.runner.forward
+
+    def flaky(fb):
+        calls.append(fb.forward_mode)
+        if len(calls) in (2, 5):  # a catch-up extend, then a draft decode step, fail
+            raise RuntimeError("draft device error")
+        return forward(fb)
+
+    drafter.runner.forward = flaky
+    got = eng.generate(input_ids=ids, sampling_params=GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert drafter.failures == 2 and eng.stats().spec_draft_tokens > 0
+    eng.check_memory()
+
+
+def test_sampling_with_a_draft_model(model_dirs, near_draft):
+    """Sampled requests with draft-model drafts: seeded output is reproducible, lengths are
+    exact and every slot (target and draft) returns to its pool."""
+    path, ids = model_dirs["llama"], prompts(4, seed=12)
+    params = [SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True) for i in range(4)]
+    outs = [run(path, ids, params, **spec("draft_other", model_dirs, near_draft))[0] for _ in range(2)]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert all(len(o.token_ids) == 30 for o in outs[0])
 
 
 def test_greedy_on_real_text(model_dirs):
