@@ -14,6 +14,7 @@ at the next proposal: the part that agrees keeps its KV, the rest goes back to t
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ class _Work:
 
 class DraftModelDrafter(Drafter):
     def __init__(self, config: EngineConfig, target: ModelConfig, target_context_len: int, max_running: int,
-                 pool_tokens: int) -> None:
+                 pool_tokens: int, batches_by_mode: Counter | None = None) -> None:
         super().__init__(config.speculative_num_draft_tokens)
         path = resolve_model_path(config.speculative_draft_model_path)
         vocab = ModelConfig.from_dir(path).vocab_size  # checked before the weights load
@@ -75,6 +76,7 @@ class DraftModelDrafter(Drafter):
         self.max_catch_up = config.chunked_prefill_size or config.max_prefill_tokens or DEFAULT_MAX_PREFILL_TOKENS
         self.live: dict[int, _DraftState] = {}  # by row: the states holding draft KV
         self.failures = 0  # proposals whose draft forwards raised (the step decoded plainly)
+        self.batches_by_mode = Counter() if batches_by_mode is None else batches_by_mode
 
     # ---- per-request state -----------------------------------------------------------------
     def _state(self, req: Req) -> _DraftState | None:
@@ -189,6 +191,7 @@ class DraftModelDrafter(Drafter):
             positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq_lens)]),
             extend_seq_lens=torch.tensor(ext), extend_start_loc=torch.tensor(starts), seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=ext, last_token_indices=torch.tensor([s + n - 1 for s, n in zip(starts, ext)]))
+        self.batches_by_mode[ForwardMode.DRAFT_EXTEND_V2.name] += 1
         return self.runner.forward(fb).argmax(dim=-1).tolist()
 
     def _decode(self, rows: list[tuple[_DraftState, int, int]]) -> list[int]:

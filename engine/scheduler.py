@@ -40,8 +40,9 @@ def _raiser(error: Exception) -> Callable[[], SampleResult]:
     return wait
 
 
-def make_drafter(config: EngineConfig, model_runner: ModelRunner) -> Drafter | None:
-    """The drafter config.speculative_algorithm names (None: no speculation)."""
+def make_drafter(config: EngineConfig, model_runner: ModelRunner, batches_by_mode: Counter) -> Drafter | None:
+    """The drafter config.speculative_algorithm names (None: no speculation); a draft model counts
+    its DRAFT_EXTEND_V2 batches in `batches_by_mode`."""
     k = config.speculative_num_draft_tokens
     if config.speculative_algorithm == "ngram":
         return NgramDrafter(k, config.speculative_ngram_min, config.speculative_ngram_max)
@@ -50,7 +51,7 @@ def make_drafter(config: EngineConfig, model_runner: ModelRunner) -> Drafter | N
         # left room for it: ModelRunner._default_pool_size), and the drafts.
         rows = model_runner.req_to_token_pool.size
         return DraftModelDrafter(config, model_runner.model_config, model_runner.max_context_len, rows,
-                                 model_runner.max_total_tokens + rows * k)
+                                 model_runner.max_total_tokens + rows * k, batches_by_mode)
     return None
 
 
@@ -121,7 +122,7 @@ class Scheduler:
         self.inflight: tuple[ScheduleBatch, Callable[[], SampleResult]] | None = None
         self.overlapped_steps = 0  # decode batches launched while the previous one still ran
         # Speculative decoding: decode batches become TARGET_VERIFY batches of drafts.
-        self.drafter = make_drafter(config, model_runner)
+        self.drafter = make_drafter(config, model_runner, self.batches_by_mode)
         self.spec_draft_tokens = 0  # drafts scored by verify forwards
         self.spec_accepted_tokens = 0  # drafts kept
         self.spec_verify_requests = 0  # (request, verify step) pairs

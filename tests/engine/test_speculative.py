@@ -40,6 +40,7 @@ def spec(drafter: str, model_dirs, near_draft: str | None = None) -> dict:
 def check_acceptance(drafter: str, eng: Engine) -> None:
     s = eng.stats()
     assert s.batches_by_mode["TARGET_VERIFY"] > 0
+    assert (s.batches_by_mode["DRAFT_EXTEND_V2"] > 0) == drafter.startswith("draft")
     if drafter == "draft_self":  # same weights, same argmax: every draft is kept
         assert 0 < s.spec_accepted_tokens == s.spec_draft_tokens
     else:

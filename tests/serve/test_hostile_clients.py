@@ -230,7 +230,7 @@ def test_abort_storm_of_client_timeouts(app):
     assert received >= n // 2, f"only {received} of {n} requests reached an engine in 10 s"
     assert aborted == received, f"{received - aborted} of {received} cancelled requests ran on"
     assert generated < received * LONG // 2
-    deadline = time.monotonic() + 10  # the server's own count can lag the engines'
+    deadline = time.monotonic() + 30  # the server's own count can lag the engines' (a loaded CI machine)
     while metric(base, "aborted") - aborted_before < received and time.monotonic() < deadline:
         time.sleep(0.1)
     assert received <= metric(base, "aborted") - aborted_before <= n
