@@ -46,3 +46,21 @@ def test_speculative_verify_on_cuda(model_dirs, backend):
     assert [o.token_ids for o in eng.generate(input_ids=ids, sampling_params=params)] == [r.token_ids for r in ref]
     assert eng.stats().spec_accepted_tokens > 0
     eng.check_memory()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_draft_model_on_cuda(model_dirs, near_draft, backend):
+    """Draft-model speculation on the device: the draft's own pool and CUDA graphs beside the
+    target's (the target's pool left room for them), DRAFT_EXTEND_V2 catch-up, greedy parity."""
+    from tests.engine.test_speculative import prompts
+
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    ids = prompts(6, seed=3)
+    kw = dict(model_path=model_dirs["llama"], device="cuda", dtype="float32", attention_backend=backend)
+    ref = Engine(**kw).generate(input_ids=ids, sampling_params=params)
+    eng = Engine(**kw, speculative_algorithm="draft_model", speculative_draft_model_path=near_draft,
+                 speculative_num_draft_tokens=4)
+    assert [o.token_ids for o in eng.generate(input_ids=ids, sampling_params=params)] == [r.token_ids for r in ref]
+    s = eng.stats()
+    assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens and s.batches_by_mode["DRAFT_EXTEND_V2"] > 0
+    eng.check_memory()
