@@ -131,8 +131,11 @@ class DraftModelDrafter(Drafter):
                 continue
             tokens = req.fill_ids
             self._reconcile(state, tokens)
+            ctx = self.runner.max_context_len
+            if len(tokens) >= ctx:  # longer than the draft model's context: no drafts for it
+                continue
             # Draft KV is written up to position len(tokens) + n - 2: within the draft's context.
-            n = min(state.depth_now(min(limit, self.runner.max_context_len - len(tokens) + 1)), room)
+            n = min(state.depth_now(min(limit, ctx - len(tokens) + 1)), room)
             unseen = len(tokens) - state.kv_len
             if unseen > catch_up:  # too long for this step: catch up on part of it, no draft yet
                 unseen, n = catch_up, 0

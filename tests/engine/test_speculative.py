@@ -106,6 +106,23 @@ def test_draft_model_config_errors(model_dirs, tmp_path):
         Engine(model_path=model_dirs["llama"], speculative_algorithm="draft_model", speculative_draft_model_path=other)
 
 
+def test_a_draft_model_with_a_shorter_context(model_dirs, tmp_path):
+    """The target's own weights with a 48-token context as the draft: requests draft (and keep
+    every draft) until they outgrow it, then decode plainly; output and memory unchanged."""
+    from safetensors.torch import load_file
+
+    cfg = llama_config(**{**SMALL, "max_position_embeddings": 48})
+    weights = load_file(f"{model_dirs['llama']}/model.safetensors")
+    short = write_checkpoint(str(tmp_path / "short"), cfg, weights, byte_level_tokenizer())
+    path, ids = model_dirs["llama"], prompts(8, seed=13)
+    ref, _ = run(path, ids, GREEDY)
+    got, eng = run(path, ids, GREEDY, speculative_algorithm="draft_model", speculative_draft_model_path=short)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    s = eng.stats()
+    assert 0 < s.spec_accepted_tokens == s.spec_draft_tokens
+    assert any(len(i) + len(o.token_ids) > 48 for i, o in zip(ids, got))
+
+
 def test_a_failing_draft_forward_only_skips_drafting(model_dirs, near_draft):
     """Drafting is an optimisation: a draft forward that raises costs that step its drafts (and
     their draft KV goes back to the pool), never a request."""
