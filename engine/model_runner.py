@@ -121,6 +121,8 @@ class ModelRunner:
             self.graph_runner = CpuGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
             if not config.cpu_graph_lazy:
                 seconds = self.graph_runner.compile_all()
+                if self.model.expert_tokens is not None:  # warm-up forwards are no traffic
+                    self.model.expert_tokens.zero_()
                 log.info("CPU decode graphs for batch sizes %s compiled in %.1f s", self.graph_runner.ladder, seconds)
         # Greedy ids of a plain greedy batch land here (the kernel's argmax), and go to the host
         # as a list at once, so the buffers are free for the next batch.
@@ -141,20 +143,34 @@ class ModelRunner:
             budget = int(free * self.config.mem_fraction_static)
             if self.config.speculative_algorithm == "draft_model":  # leave room for the draft model
                 draft_weights, draft_per_token = self._draft_footprint()
-                budget -= draft_weights
-                per_token += draft_per_token  # its pool has as many tokens as this one
+                rows = self.config.max_running_requests or 256
+                budget -= draft_weights + rows * self.config.speculative_num_draft_tokens * draft_per_token
+                per_token += draft_per_token  # its pool has as many tokens as this one, and the drafts
+                if budget <= 0:
+                    raise ConfigError("the GPU has no memory left for the draft model's weights and KV "
+                                      "(a smaller draft, or a lower mem_fraction_static)")
         else:
             budget = CPU_KV_BUDGET_BYTES
         cap = 1 << 20 if self.device.type == "cuda" else 1 << 16
         return max(self.max_context_len, min(budget // per_token, cap))
 
     def _draft_footprint(self) -> tuple[int, int]:
-        """The draft model's weight bytes (its safetensors files) and KV bytes per token."""
+        """The draft model's weight bytes in this runner's dtype (from its safetensors headers: no
+        tensor is read) and its KV bytes per token."""
+        from safetensors import safe_open
+
         path = resolve_model_path(self.config.speculative_draft_model_path)
         cfg = ModelConfig.from_dir(path)
-        weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-        return weights, KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                                self.dtype)
+        numel = 0
+        for name in os.listdir(path):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    for key in f.keys():
+                        shape = f.get_slice(key).get_shape()
+                        numel += int(torch.tensor(shape).prod()) if shape else 1
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return numel * itemsize, KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                         cfg.head_dim, self.dtype)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:

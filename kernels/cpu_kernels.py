@@ -585,8 +585,11 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tenso
   if (x.stride(1) != 1) x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), NB = wp.size(0), ldx = x.stride(0);
   TORCH_CHECK(wp.size(1) == K && NB * 16 >= N, "gemm: packed weight does not match x");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->is_contiguous() &&
+                                    bias->scalar_type() == at::kFloat), "gemm: bias must be N contiguous floats");
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
+  if (K == 0) return bias.has_value() ? bias->unsqueeze(0).expand({M, N}).contiguous() : y.zero_();
   const float* xp = x.data_ptr<float>();
   const float* w = wp.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -607,13 +610,11 @@ torch::Tensor gemm(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tenso
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = std::min(K, k0 + KC);
         const bool first = k0 == 0, last = k1 == K;
-        const float* xs = xp + m0 * ldx;  // row m0 of this task
-        const int64_t lds = ldx;
         // mb rows against the task's panels, `wide` panels per call (the rest two at a time).
         auto rows = [&](int64_t m, int64_t mb, int64_t wide) {
           for (int64_t j = 0; j < g;) {
             const int64_t nbk = g - j >= wide ? wide : std::min<int64_t>(2, g - j);
-            micro(mb, nbk)(xs + (m - m0) * lds, lds, wb + j * K * 16, K, k0, k1, yp + m * N + n0 + j * 16, N,
+            micro(mb, nbk)(xp + m * ldx, ldx, wb + j * K * 16, K, k0, k1, yp + m * N + n0 + j * 16, N,
                            nvalid - j * 16, first, last && bp ? bp + n0 + j * 16 : nullptr);
             j += nbk;
           }
@@ -761,7 +762,9 @@ torch::Tensor onednn_linear(torch::Tensor x, torch::Tensor packed, c10::optional
   torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
                           c10::IValue()};
   op.callBoxed(&stack);
-  return stack[0].toTensor();
+  auto y = stack[0].toTensor();
+  TORCH_CHECK(y.dim() == 2 && y.size(1) == n, "onednn_linear: the packed weight has not ", n, " outputs");
+  return y;
 }
 
 // ------------------------------------------------------------------------------------------

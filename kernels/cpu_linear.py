@@ -4,8 +4,8 @@ torch's `F.linear` on an x86 CPU calls MKL's sgemm, which takes a slow code path
 CPUs: on an AMD EPYC oneDNN, with the weight reordered once at load time, runs the same fp32
 GEMMs 2.4-2.6x faster (`python -m engine.bench --case linear`). The project's float32 GEMM
 (`kernels.cpu_kernels`, CPUs with AVX-512) is faster again at the row counts of a decode step,
-where a linear is a stream over its weight, and about even at prefill sizes; its results do not
-depend on the batch size.
+where a linear is a stream over its weight, and somewhat slower than oneDNN at prefill sizes
+(docs/BENCHMARKS.md); its results do not depend on the batch size.
 
 Kinds: "torch" (F.linear over the dense weight), "onednn" (oneDNN's packed weight), "native"
 (float32: the project's GEMM over 16-column panels, one copy; bfloat16: the project's AVX512-BF16

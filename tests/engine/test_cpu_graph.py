@@ -79,6 +79,17 @@ def test_graphs_match_transformers_with_qk_norm_and_one_kv_head(model_dirs, hf):
     assert_matches_hf(eng, hf, path, ids, outs)
 
 
+def test_graphs_match_transformers_with_onednn_linears(model_dirs, hf):
+    """fp32 with oneDNN's packed linears (the CPUs without AVX-512, or linear_backend='onednn'):
+    the graphs call them as torch.ops.radixray.onednn_linear."""
+    path = model_dirs["llama"]
+    eng = graph_engine(path, linear_backend="onednn")
+    ids = prompts(eng, 4, seed=37)
+    outs = eng.generate(input_ids=ids, sampling_params=GREEDY)
+    assert_graphs_ran(eng)
+    assert_matches_hf(eng, hf, path, ids, outs)
+
+
 def test_each_engine_compiles_its_own_graphs(model_dirs, hf, tmp_path):
     """Two engines of one architecture with different weights, in one process, interleaved: the
     compiled regions (which check no guards) are never shared."""

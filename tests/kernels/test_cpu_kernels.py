@@ -143,6 +143,25 @@ def test_gemm_matches_f_linear_and_ignores_the_batch(rows, n, k):
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_onednn_linear_operator_is_onednns_linear(dtype, with_bias):
+    """torch.ops.radixray.onednn_linear (how compiled graphs call a oneDNN linear) gives exactly
+    what mkldnn's own packed linear gives, for a strided input too; a wrong width is refused."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 40, generator=gen).to(dtype)
+    b = torch.randn(48, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(7, 80, generator=gen).to(dtype)[:, ::2]  # every other column: strided
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    got = torch.ops.radixray.onednn_linear(x, packed, b, 48)
+    want = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outputs"):
+        torch.ops.radixray.onednn_linear(x, packed, b, 47)
+
+
 def test_stream_read_bandwidth_reads_the_buffer():
     assert cpu_kernels.load().stream_sum(torch.ones(1000)) == 1000.0
     assert cpu_kernels.stream_read_bandwidth(1 << 20, repeats=2) > 0
