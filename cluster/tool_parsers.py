@@ -75,9 +75,18 @@ class ToolCallStream(ABC):
     def __init__(self) -> None:
         self.calls: list[_CallObject] = []  # every call object begun, in order
         self.cut = False  # the output ended inside a call object
+        self.buf = ""  # text not parsed yet
 
     @abstractmethod
     def feed(self, text: str) -> StreamParts: ...
+
+    def _feed_open_call(self, out: StreamParts) -> _CallObject | None:
+        """Feed the buffer to the last (open) call object; its new deltas go to `out`. Returns
+        the call once it has closed, None while it needs more text."""
+        call = self.calls[-1]
+        self.buf = self.buf[call.feed(self.buf):]
+        out.tool_calls += call.deltas()
+        return call if call.closed else None
 
     @abstractmethod
     def finish(self) -> StreamParts: ...
@@ -283,7 +292,6 @@ class _HermesStream(ToolCallStream):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buf = ""
         self.state = "content"  # content, call (inside a tag), after (object read, before the end tag)
         self.space = ""  # whitespace after a call, sent only if more content follows
 
@@ -311,11 +319,8 @@ class _HermesStream(ToolCallStream):
                         continue
                     self.buf = body
                     self.calls.append(_CallObject(len(self.calls)))
-                call = self.calls[-1]
-                used = call.feed(self.buf)
-                self.buf = self.buf[used:]
-                out.tool_calls += call.deltas()
-                if not call.closed:
+                call = self._feed_open_call(out)
+                if call is None:
                     break
                 if call.call_id is None:  # no name: it was not a call
                     self.calls.pop()
@@ -354,7 +359,6 @@ class _JsonCallsStream(ToolCallStream):
     def __init__(self, separators: str, prefix: str | None) -> None:
         super().__init__()
         self.separators, self.prefix = separators, prefix
-        self.buf = ""
         self.state = "start" if prefix is not None else "calls"  # start, calls, content
 
     def feed(self, text: str) -> StreamParts:
@@ -373,11 +377,8 @@ class _JsonCallsStream(ToolCallStream):
                 else:
                     self.state = "calls" if body[0] == "{" else "content"
             elif self.calls and not self.calls[-1].closed:
-                call = self.calls[-1]
-                used = call.feed(self.buf)
-                self.buf = self.buf[used:]
-                out.tool_calls += call.deltas()
-                if not call.closed:
+                call = self._feed_open_call(out)
+                if call is None:
                     break
                 if call.call_id is None:  # an object that is no call: what follows is content
                     self.calls.pop()
