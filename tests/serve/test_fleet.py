@@ -3,9 +3,11 @@ scale out, routing on the engines' KV events, autoscaling with drain, a killed e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -61,17 +63,25 @@ def stream_completion(base: str, body: dict, on_event=None) -> tuple[str, list[d
     return (finishes[-1] if finishes else "none"), events
 
 
-@pytest.fixture(scope="module")
-def fleet(serve_base, model_dirs):
+@contextlib.contextmanager
+def deployed(serve_base: str, name: str, args: dict, engines: int) -> Iterator[str]:
+    """The app `build_app(args)` under /name, once `engines` engines serve it; deleted after."""
     from ray import serve
 
-    serve.run(build_app({"model_path": model_dirs["stories"], "num_engines": 2, "frontends": 2,
-                         "routing": "kv_events", "engine": {"max_running_requests": 4}}),
-              name="fleet", route_prefix="/fleet")
-    base = serve_base + "/fleet"
-    wait_for_engines(base, 2)
-    yield base
-    serve.delete("fleet")
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    try:
+        base = f"{serve_base}/{name}"
+        wait_for_engines(base, engines)
+        yield base
+    finally:
+        serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def fleet(serve_base, model_dirs):
+    with deployed(serve_base, "fleet", {"model_path": model_dirs["stories"], "num_engines": 2, "frontends": 2,
+                                        "routing": "kv_events", "engine": {"max_running_requests": 4}}, 2) as base:
+        yield base
 
 
 def test_shared_prefix_lands_on_one_engine_through_either_front_end(fleet):
@@ -163,17 +173,11 @@ def test_a_rolling_update_under_load_loses_no_request(fleet, model_dirs):
 
 @pytest.fixture(scope="module")
 def autoscaled(serve_base, model_dirs):
-    from ray import serve
-
-    serve.run(build_app({"model_path": model_dirs["stories"], "min_engines": 1, "max_engines": 2,
-                         "target_waiting_per_engine": 1, "upscale_delay_s": 0.5, "downscale_delay_s": 4,
-                         "drain_reroute_after_s": 2, "drain_timeout_s": 60,
-                         "engine": {"max_running_requests": 2}}),
-              name="autoscaled", route_prefix="/autoscaled")
-    base = serve_base + "/autoscaled"
-    wait_for_engines(base, 1)
-    yield base
-    serve.delete("autoscaled")
+    args = {"model_path": model_dirs["stories"], "min_engines": 1, "max_engines": 2, "target_waiting_per_engine": 1,
+            "upscale_delay_s": 0.5, "downscale_delay_s": 4, "drain_reroute_after_s": 2, "drain_timeout_s": 60,
+            "engine": {"max_running_requests": 2}}
+    with deployed(serve_base, "autoscaled", args, 1) as base:
+        yield base
 
 
 def test_burst_scales_up_and_a_steady_stream_survives_the_drain_back_down(autoscaled):
