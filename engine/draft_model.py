@@ -28,6 +28,7 @@ from engine.req import Req
 from engine.speculative import AdaptiveDepth, Drafter
 
 log = logging.getLogger("radixray.engine")
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class _DraftState(AdaptiveDepth):
@@ -54,6 +55,11 @@ class _Work:
     tokens: list[int]
     fed_end: int
     n: int
+
+    @property
+    def new_positions(self) -> int:
+        """Draft KV slots this proposal writes: the catch-up, then a draft per decode step."""
+        return self.fed_end - self.state.kv_len + max(self.n - 1, 0)
 
 
 class DraftModelDrafter(Drafter):
@@ -145,12 +151,11 @@ class DraftModelDrafter(Drafter):
             catch_up, free, room = catch_up - unseen, free - unseen - max(n - 1, 0), room - n
         if not work:
             return drafts
-        slots = self.allocator.alloc(sum(w.fed_end - w.state.kv_len + max(w.n - 1, 0) for w in work))
+        slots = self.allocator.alloc(sum(w.new_positions for w in work))
         at = 0
         for w in work:  # each request's new positions, in order
-            count = w.fed_end - w.state.kv_len + max(w.n - 1, 0)
-            self.rows.write(w.state.row, w.state.kv_len, slots[at:at + count])
-            at += count
+            self.rows.write(w.state.row, w.state.kv_len, slots[at:at + w.new_positions])
+            at += w.new_positions
         try:
             self._run(work, drafts)
         except Exception:  # drafting is an optimisation: this step decodes plainly instead
@@ -161,7 +166,7 @@ class DraftModelDrafter(Drafter):
                 w.state.fed = []
             return [[] for _ in reqs]
         for w in work:
-            w.state.kv_len = w.fed_end + max(w.n - 1, 0)
+            w.state.kv_len += w.new_positions
         return drafts
 
     def _run(self, work: list[_Work], drafts: list[list[int]]) -> None:
@@ -183,17 +188,16 @@ class DraftModelDrafter(Drafter):
         argmax after its last."""
         prefix = [w.state.kv_len for w in work]
         seq_lens = [w.fed_end for w in work]
-        ext = [s - p for p, s in zip(prefix, seq_lens)]
         input_ids = [t for w in work for t in w.tokens[w.state.kv_len:w.fed_end]]
-        starts = [sum(ext[:j]) for j in range(len(ext))]
         fb = ForwardBatch(
             forward_mode=ForwardMode.DRAFT_EXTEND_V2, batch_size=len(work),
             input_ids=torch.tensor(input_ids, dtype=torch.int64), seq_lens=torch.tensor(seq_lens),
             out_cache_loc=torch.cat([self._slots(w.state, p, s) for w, p, s in zip(work, prefix, seq_lens)]),
             req_pool_indices=torch.tensor([w.state.row for w in work], device=self.device),
-            positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq_lens)]),
-            extend_seq_lens=torch.tensor(ext), extend_start_loc=torch.tensor(starts), seq_lens_cpu=seq_lens,
-            extend_seq_lens_cpu=ext, last_token_indices=torch.tensor([s + n - 1 for s, n in zip(starts, ext)]))
+            positions=_EMPTY, seq_lens_cpu=seq_lens)
+        ext = [s - p for p, s in zip(prefix, seq_lens)]
+        starts = fb.set_extend_layout(prefix, ext)
+        fb.last_token_indices = torch.tensor([s + n - 1 for s, n in zip(starts, ext)])
         self.batches_by_mode[ForwardMode.DRAFT_EXTEND_V2.name] += 1
         return self.runner.forward(fb).argmax(dim=-1).tolist()
 

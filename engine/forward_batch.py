@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING, Any
@@ -95,6 +96,17 @@ class ForwardBatch:
             if t is not None and t.device != device:
                 setattr(self, name, t.to(device, non_blocking=True))
 
+    def set_extend_layout(self, prefix_lens: list[int], extend_lens: list[int]) -> list[int]:
+        """An extend's positions and per-request lengths and offsets (each request's new tokens
+        follow its cached prefix); returns the offsets. Built on the host: resolve_forward_inputs
+        moves them (a no-op on the CPU)."""
+        starts = list(itertools.accumulate(extend_lens, initial=0))[:-1]
+        self.positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, extend_lens)])
+        self.extend_seq_lens_cpu = extend_lens
+        self.extend_seq_lens = torch.tensor(extend_lens)
+        self.extend_start_loc = torch.tensor(starts)
+        return starts
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
@@ -119,18 +131,10 @@ class ForwardBatch:
             fb.positions = (batch.seq_lens - 1).to(torch.int64)
             fb.last_token_indices = torch.arange(fb.batch_size)
         else:
-            prefix, ext = batch.prefix_lens, batch.extend_lens
-            starts, acc = [], 0
-            for n in ext:
-                starts.append(acc)
-                acc += n
-            # Built on the host; resolve_forward_inputs moves them (a no-op on the CPU).
-            fb.positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, ext)])
-            fb.extend_seq_lens_cpu = ext
-            fb.extend_seq_lens = torch.tensor(ext)
-            fb.extend_start_loc = torch.tensor(starts)
+            ext = batch.extend_lens
+            starts = fb.set_extend_layout(batch.prefix_lens, ext)
             if mode.is_target_verify():  # every position's logits: each scores the draft after it
-                fb.last_token_indices = torch.arange(acc)
+                fb.last_token_indices = torch.arange(sum(ext))
             elif any(r.needs_prompt_logits for r in batch.reqs):  # prompt logprobs: all their rows
                 fb.last_token_indices = torch.tensor([
                     j for r, s, n in zip(batch.reqs, starts, ext)
