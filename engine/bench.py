@@ -299,6 +299,16 @@ def case_spec(path: str, scale: float, stories: str | None = None) -> None:
                              f"{spec[algo][0]:.0%}, mean accepted length={spec[algo][1]:.2f})" for algo in spec)
             print(f"spec       {name} bs={bs}: {line}  off={rates[None]:,.1f}  "
                   f"(floor 2x at bs=1 where the length is >= 3)", flush=True)
+    # Overlap: each verify forward runs on the forward thread while the step before it is
+    # delivered; end to end, prefill included.
+    prompts, outs, rates = workloads[0][3][:8], [out_len] * 8, {}
+    for overlap in (True, False):
+        eng = Engine(model_path=path, max_total_tokens=16384, speculative_algorithm="ngram",
+                     speculative_num_draft_tokens=4, enable_overlap=overlap)
+        run_engine(eng, prompts, [4] * len(prompts))  # warm-up
+        rates[overlap] = sum(outs) / run_engine(eng, prompts, outs)
+        del eng
+    line("spec", "loops ngram bs=8 overlap_on", rates[True], "overlap_off", rates[False], "out tok/s", "(end to end)")
 
 
 STRUCTURED_SCHEMA = {

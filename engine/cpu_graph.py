@@ -67,6 +67,10 @@ class CpuGraphRunner:
         self.replays = replays
         return time.perf_counter() - t0
 
+    def verify_graph_width(self, bs: int) -> None:
+        """Verify batches run eagerly on the CPU: their extend attention has no graph-safe kernel."""
+        return None
+
     def can_run(self, fb: ForwardBatch) -> bool:
         if fb.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE) or fb.batch_size > self.ladder[-1]:
             return False

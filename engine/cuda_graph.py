@@ -1,10 +1,13 @@
-"""CUDA graphs for DECODE and IDLE batches (section 8.4: decode shapes are fixed, prefill's are not).
+"""CUDA graphs for DECODE and IDLE batches (section 8.4: decode shapes are fixed, prefill's are not),
+and for TARGET_VERIFY batches whose requests all have the same width (1 + k positions: the
+scheduler pads their drafts, see `ModelRunner.verify_graph_width`).
 
 A ladder of batch sizes is captured once, largest first, sharing one memory pool. A decode
 batch is padded to the next captured size: padded rows use request row 0 (all slot 0), a
 sequence length of 1 and KV slot 0 (reserved, never handed out), so they attend to and write
-nothing that matters; their logits are sliced off. Prefill, MIXED and batches larger than the
-ladder run eagerly. The attention backend must be graph-safe (`graph_safe`: no host sync, no
+nothing that matters; their logits are sliced off. A padded verify row is the same with
+`width` positions (0..width-1) and all of them written to slot 0. Prefill, MIXED and batches
+larger than the ladder run eagerly. The attention backend must be graph-safe (`graph_safe`: no host sync, no
 shape that depends on values); its hooks own the attention metadata the graphs read
 (`init_cuda_graph_state` once, `capture_metadata` per captured size, `replay_metadata` before
 each replay), so this runner knows no backend by name.
@@ -61,8 +64,23 @@ def pad_decode(fb: ForwardBatch, size: int) -> PaddedDecode:
                         positions=fill(fb.positions, 0))
 
 
+def pad_verify(fb: ForwardBatch, size: int, width: int) -> PaddedDecode:
+    """A verify batch of `width` positions per request padded to `size` requests: padded rows
+    use row 0, positions 0..width-1, a sequence length of `width` and slot 0."""
+    pad = size - fb.batch_size
+    dev = fb.input_ids.device
+
+    def fill(t: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.to(torch.int64), tail.to(device=dev, dtype=torch.int64)])
+
+    zeros = torch.zeros(pad * width, dtype=torch.int64)
+    return PaddedDecode(input_ids=fill(fb.input_ids, zeros), req_pool_indices=fill(fb.req_pool_indices, zeros[:pad]),
+                        seq_lens=fill(fb.seq_lens, torch.full((pad,), width)), out_cache_loc=fill(fb.out_cache_loc, zeros),
+                        positions=fill(fb.positions, torch.arange(width).repeat(pad)))
+
+
 class CudaGraphRunner:
-    def __init__(self, model_runner, max_bs: int) -> None:
+    def __init__(self, model_runner, max_bs: int, verify_width: int = 0) -> None:
         if model_runner.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
         attn = model_runner.attn_backend
@@ -71,56 +89,97 @@ class CudaGraphRunner:
                               f"{', '.join(graph_safe_backends())} (or disable_cuda_graph=True)")
         self.runner = model_runner
         self.ladder = capture_ladder(max_bs)
+        self.verify_width = verify_width  # positions per request of a captured verify batch (0: none)
         dev = model_runner.device
         n = self.ladder[-1]
-        # Static inputs the graphs read; replay copies a batch into their first rows.
-        self.static = PaddedDecode(*(torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(5)))
-        self.static.seq_lens.fill_(1)
+        # Verify graphs up to as many tokens as the largest decode graph: their logits (a row per
+        # position) stay as large as the decode graphs'; speculation pays off at small batches.
+        self.verify_ladder = ([s for s in self.ladder if s * verify_width <= n] or [1]) if verify_width else []
+        tokens = max([n] + [s * verify_width for s in self.verify_ladder])
+        # Static inputs the graphs read (decode and verify graphs share them: one replays at a
+        # time); replay copies a batch into their first rows.
+        z = torch.zeros
+        self.static = PaddedDecode(input_ids=z(tokens, dtype=torch.int64, device=dev),
+                                   req_pool_indices=z(n, dtype=torch.int64, device=dev),
+                                   seq_lens=torch.ones(n, dtype=torch.int64, device=dev),
+                                   out_cache_loc=z(tokens, dtype=torch.int64, device=dev),
+                                   positions=z(tokens, dtype=torch.int64, device=dev))
         attn.init_cuda_graph_state(n)
-        # The batch each graph was captured with: static tensors and the backend's metadata.
-        self.batches: dict[int, ForwardBatch] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # Per (mode, size): the batch its graph was captured with (static tensors and the
+        # backend's metadata), the graph, and its logits.
+        self.batches: dict[tuple[ForwardMode, int], ForwardBatch] = {}
+        self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[ForwardMode, int], torch.Tensor] = {}
+        self.replays: dict[ForwardMode, int] = {ForwardMode.DECODE: 0, ForwardMode.TARGET_VERIFY: 0}
         self.pool = None
-        self._capture_all()
+        for size in reversed(self.ladder):  # largest first: the shared pool fits every smaller graph
+            self._capture(ForwardMode.DECODE, size)
+        for size in reversed(self.verify_ladder):
+            self._capture(ForwardMode.TARGET_VERIFY, size)
 
-    def _fb(self, size: int) -> ForwardBatch:
-        s = self.static
-        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=size, input_ids=s.input_ids[:size],
-                            seq_lens=s.seq_lens[:size], out_cache_loc=s.out_cache_loc[:size],
-                            req_pool_indices=s.req_pool_indices[:size], positions=s.positions[:size],
-                            seq_lens_cpu=[1] * size, last_token_indices=torch.arange(size, device=s.input_ids.device))
+    def _fb(self, mode: ForwardMode, size: int) -> ForwardBatch:
+        s, dev = self.static, self.static.input_ids.device
+        width = self.verify_width if mode == ForwardMode.TARGET_VERIFY else 1
+        t = size * width
+        fb = ForwardBatch(forward_mode=mode, batch_size=size, input_ids=s.input_ids[:t], seq_lens=s.seq_lens[:size],
+                          out_cache_loc=s.out_cache_loc[:t], req_pool_indices=s.req_pool_indices[:size],
+                          positions=s.positions[:t], seq_lens_cpu=[width] * size,
+                          last_token_indices=torch.arange(t, device=dev))
+        if mode == ForwardMode.TARGET_VERIFY:  # every request `width` new tokens, at i * width
+            fb.extend_seq_lens_cpu = [width] * size
+            fb.extend_seq_lens = torch.full((size,), width, dtype=torch.int64, device=dev)
+            fb.extend_start_loc = torch.arange(0, t, width, dtype=torch.int64, device=dev)
+        return fb
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
+    def _capture(self, mode: ForwardMode, size: int) -> None:
         model, attn = self.runner.model, self.runner.attn_backend
         stream = torch.cuda.Stream()
-        for size in reversed(self.ladder):  # largest first: the shared pool fits every smaller graph
-            fb = self._fb(size)
-            fb.attn_metadata = attn.capture_metadata(fb)
-            self.batches[size] = fb
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up (Triton autotune, allocator) outside the capture
-                    model.forward(fb, attn)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self.outputs[size] = model.forward(fb, attn)
-            self.pool = graph.pool()
-            self.graphs[size] = graph
+        fb = self._fb(mode, size)
+        self._load(self._pad(fb.forward_mode, fb, 0))  # inert rows: the warm-up reads only slot 0
+        fb.attn_metadata = attn.capture_metadata(fb)
+        self.batches[mode, size] = fb
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up (Triton autotune, allocator) outside the capture
+                model.forward(fb, attn)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            self.outputs[mode, size] = model.forward(fb, attn)
+        self.pool = graph.pool()
+        self.graphs[mode, size] = graph
+
+    def _pad(self, mode: ForwardMode, fb: ForwardBatch, size: int) -> PaddedDecode:
+        """fb's rows padded to `size` (size 0: fb is a captured batch; all its rows become padding)."""
+        if size == 0:
+            size, fb = fb.batch_size, ForwardBatch(mode, 0, *(torch.empty(0, dtype=torch.int64) for _ in range(5)))
+        return pad_verify(fb, size, self.verify_width) if mode == ForwardMode.TARGET_VERIFY else pad_decode(fb, size)
+
+    def _load(self, padded: PaddedDecode) -> None:
+        for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
+            src = getattr(padded, name)
+            getattr(self.static, name)[:src.shape[0]].copy_(src, non_blocking=True)
+
+    def verify_graph_width(self, bs: int) -> int | None:
+        """The width a verify batch of bs requests must have to replay a graph (None: eager)."""
+        return self.verify_width if self.verify_ladder and bs <= self.verify_ladder[-1] else None
 
     def can_run(self, fb: ForwardBatch) -> bool:
+        if fb.forward_mode == ForwardMode.TARGET_VERIFY:
+            return (self.verify_graph_width(fb.batch_size) is not None
+                    and fb.num_tokens == fb.batch_size * self.verify_width)
         return fb.forward_mode in (ForwardMode.DECODE, ForwardMode.IDLE) and fb.batch_size <= self.ladder[-1]
 
     @torch.inference_mode()
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        size = padded_size(max(fb.batch_size, 1), self.ladder)
-        padded = pad_decode(fb, size)
-        for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
-            getattr(self.static, name)[:size].copy_(getattr(padded, name), non_blocking=True)
-        captured = self.batches[size]
-        captured.seq_lens_cpu = (list(fb.seq_lens_cpu) + [1] * (size - fb.batch_size)
+        verify = fb.forward_mode == ForwardMode.TARGET_VERIFY
+        mode, width = (ForwardMode.TARGET_VERIFY, self.verify_width) if verify else (ForwardMode.DECODE, 1)
+        size = padded_size(max(fb.batch_size, 1), self.verify_ladder if verify else self.ladder)
+        self._load(self._pad(mode, fb, size))
+        captured = self.batches[mode, size]
+        captured.seq_lens_cpu = (list(fb.seq_lens_cpu) + [width] * (size - fb.batch_size)
                                  if fb.seq_lens_cpu is not None else None)
         self.runner.attn_backend.replay_metadata(captured)
-        self.graphs[size].replay()
-        return self.outputs[size][:fb.batch_size]
+        self.graphs[mode, size].replay()
+        self.replays[mode] += 1
+        return self.outputs[mode, size][:fb.batch_size * width]

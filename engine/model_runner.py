@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 
@@ -111,7 +112,8 @@ class ModelRunner:
                 and self.attn_backend.graph_safe):  # a backend that is not graph-safe runs eagerly
             from engine.cuda_graph import CudaGraphRunner
 
-            self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
+            verify_width = 1 + config.speculative_num_draft_tokens if config.speculative_algorithm else 0
+            self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running), verify_width)
             if self.model.expert_tokens is not None:  # capture's warm-up forwards are no traffic
                 self.model.expert_tokens.zero_()
         elif (not cuda and cpu_graphs_enabled(config) and mlp_shard[1] == 1 and self.attn_backend.cpu_graph_safe
@@ -197,11 +199,22 @@ class ModelRunner:
         with torch.cuda.stream(self.forward_stream):
             return self._forward_and_sample(fb, reqs, from_future)
 
+    def verify_graph_width(self, bs: int) -> int | None:
+        """Positions per request (1 + k) that a verify batch of bs requests is padded to, so that
+        it replays a CUDA graph; None: it runs eagerly, each request at 1 + its own drafts."""
+        return self.graph_runner.verify_graph_width(bs) if self.graph_runner is not None else None
+
     @torch.inference_mode()
     def forward_and_verify(self, fb: ForwardBatch, reqs: list, drafts: list[list[int]]) -> Verified:
         """TARGET_VERIFY: logits at every draft position, then what each request keeps
-        (engine/speculative.py). Acceptance needs the values on the host: no overlap here."""
-        return Verified(verify(self.forward(fb), reqs, drafts))
+        (engine/speculative.py), on the host: the next step drafts from the tokens kept."""
+        logits = self.forward(fb)
+        widths = fb.extend_seq_lens_cpu
+        if any(n != 1 + len(d) for n, d in zip(widths, drafts)):  # padded: keep the drafts' rows
+            starts = itertools.accumulate(widths, initial=0)
+            keep = [j for s, d in zip(starts, drafts) for j in range(s, s + 1 + len(d))]
+            logits = logits[torch.tensor(keep, device=logits.device)]
+        return Verified(verify(logits, reqs, drafts))
 
     def _forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> PendingSample:
         if from_future:  # (forward() copies the other host-staged inputs)

@@ -86,13 +86,16 @@ class ScheduleBatch:
         self.input_ids_from_future = from_future
         self.input_ids = self._stage([0 if from_future else r.output_ids[-1] for r in self.reqs])
 
-    def prepare_for_verify(self, drafts: list[list[int]]) -> None:
+    def prepare_for_verify(self, drafts: list[list[int]], width: int | None = None) -> None:
         """TARGET_VERIFY: per request its last token plus its drafts, as an extend over its KV
-        (causal over the drafts, full over the prefix); every position's logits are kept."""
+        (causal over the drafts, full over the prefix); every position's logits are kept. With
+        `width`, every request gets exactly that many positions (a CUDA graph's shape): filler
+        tokens after its drafts, whose KV slots are freed with the rejected drafts'."""
         self.drafts = drafts
         self.prefix_lens = [r.kv_len for r in self.reqs]
-        self.extend_lens = [1 + len(d) for d in drafts]
-        input_ids = [t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)]
+        self.extend_lens = [width or 1 + len(d) for d in drafts]
+        input_ids = [t for r, d, n in zip(self.reqs, drafts, self.extend_lens)
+                     for t in (r.output_ids[-1], *d, *[0] * (n - 1 - len(d)))]
         self.forward_mode = ForwardMode.TARGET_VERIFY
         self.seq_lens_cpu = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
         self.out_cache_loc = self.cache.alloc_extend(self.reqs, self.prefix_lens, self.extend_lens)

@@ -4,7 +4,9 @@ Strategies decide how a step runs its batch: `StepStrategy` runs it to its resul
 step; `OverlapStep` leaves a decode batch in flight on a forward thread and schedules the next
 one meanwhile (the scheduler owns that future-input state); attention-DP's lock-step
 (engine/dp.py) agrees on token counts with its group in `sync` and runs IDLE batches. A
-speculative verify step overrides `sync` too, replacing a decode batch by its verify batch."""
+speculative verify batch is left in flight like a decode batch, but the next step waits for it
+before drafting (drafts extend the tokens it keeps): what overlaps is the delivery of the
+previous step's tokens (detokenization, streaming) with the verify forward."""
 
 from __future__ import annotations
 
@@ -181,7 +183,8 @@ class Scheduler:
         touched, self.failed = touched + self.failed, []  # (those its building failed)
         batch = strategy.sync(self, batch, touched)
         if batch is not None:
-            overlapped = strategy.overlap and batch.forward_mode.is_decode()
+            overlapped = strategy.overlap and (batch.forward_mode.is_decode()
+                                               or batch.forward_mode.is_target_verify())
             self.overlapped_steps += overlapped and self.inflight is not None
             wait = self.launch_batch(batch, strategy.executor)
             touched += self._finish_inflight()  # (under overlap: while this batch runs)
@@ -305,9 +308,9 @@ class Scheduler:
             # Reserve every running request's full remaining output for a while: no thrashing.
             self.new_token_ratio = 1.0
         try:
-            drafts = self._drafts(batch.reqs) if self.drafter is not None else None
+            drafts, width = self._drafts(batch.reqs) if self.drafter is not None else (None, None)
             if drafts is not None:
-                batch.prepare_for_verify(drafts)
+                batch.prepare_for_verify(drafts, width)
             else:
                 batch.prepare_for_decode(from_future=self.inflight is not None)
         except Exception as e:
@@ -317,16 +320,21 @@ class Scheduler:
                                    self.config.min_new_token_ratio)
         return batch
 
-    def _drafts(self, reqs: list[Req]) -> list[list[int]] | None:
+    def _drafts(self, reqs: list[Req]) -> tuple[list[list[int]] | None, int | None]:
         """Each running request's drafts (never past its max_new_tokens or the context), or
-        None when there are none or the pool cannot hold them (a plain decode step then)."""
+        None when there are none or the pool cannot hold them (a plain decode step then); and
+        the width to pad them to for a CUDA graph (None: no padding)."""
         drafts = self.drafter.propose_batch(reqs, [min(r.sampling_params.max_new_tokens - len(r.output_ids) - 1,
                                                        self.max_context_len - r.seqlen) for r in reqs],
                                             room=self.cache.available_size() - len(reqs))
         need = len(reqs) + sum(map(len, drafts))
         if need == len(reqs) or need > self.cache.available_size():
-            return None
-        return drafts
+            return None, None
+        width = self.model_runner.verify_graph_width(len(reqs))
+        if width is not None and (len(reqs) * width > self.cache.available_size()
+                                  or any(r.kv_len + width > self.max_context_len for r in reqs)):
+            width = None  # no room for the filler: eager, at each request's own width
+        return drafts, width
 
     def complete(self, batch: ScheduleBatch, wait: Callable[[], SampleResult]) -> list[Req]:
         """Wait for a launched batch and process its result. A forward that raises fails

@@ -35,7 +35,8 @@ class AttentionBackend(abc.ABC):
       skips its own RoPE). Such a backend may also be graph-safe on its own device alone (the
       CPU decode graphs of engine/cpu_graph.py need exactly this: `cpu_graph_safe`).
     - Graph hooks, used by engine/cuda_graph.py (and engine/cpu_graph.py) for DECODE batches
-      padded to a captured size (padded rows: request row 0, seq_len 1, KV slot 0). Graph-safe
+      padded to a captured size (padded rows: request row 0, seq_len 1, KV slot 0), and on CUDA
+      for TARGET_VERIFY batches of a fixed width w (padded rows: row 0, seq_len w, slot 0). Graph-safe
       backends override all three; the base refuses them for a backend that is not graph-safe.
         `init_cuda_graph_state(max_bs)`: once, before any capture; allocate the persistent
             buffers the graphs will read metadata from.

@@ -57,15 +57,16 @@ class TritonAttnBackend(AttentionBackend):
         return self.ops.extend_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                          fb.extend_seq_lens, fb.extend_start_loc, md.max_extend, self.scale)
 
-    # === CUDA graphs: the decode kernel reads the runner's static req_pool_indices and seq_lens
-    # directly, so there is no extra state to allocate and nothing to refresh before a replay. ===
+    # === CUDA graphs: the kernels read the runner's static rows and lengths directly, so there
+    # is no extra state to allocate and nothing to refresh before a replay; a verify graph's
+    # extend grid is fixed by its width. ===
     def init_cuda_graph_state(self, max_bs: int) -> None:
         pass
 
     def capture_metadata(self, fb: ForwardBatch) -> TritonAttnMetadata:
-        if not fb.forward_mode.is_decode():
-            raise ValueError(f"CUDA graphs capture DECODE batches only, got {fb.forward_mode.name}")
-        return TritonAttnMetadata()
+        if not (fb.forward_mode.is_decode() or fb.forward_mode.is_target_verify()):
+            raise ValueError(f"CUDA graphs capture DECODE and TARGET_VERIFY batches only, got {fb.forward_mode.name}")
+        return self.init_forward_metadata(fb)
 
     def replay_metadata(self, fb: ForwardBatch) -> None:
         pass

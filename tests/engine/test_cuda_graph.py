@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.cuda_graph import capture_ladder, pad_decode, padded_size
+from engine.cuda_graph import capture_ladder, pad_decode, pad_verify, padded_size
 from engine.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -34,6 +34,19 @@ def test_padding_uses_row_zero_and_slot_zero():
                         seq_lens=torch.empty(0, dtype=torch.int64), out_cache_loc=torch.empty(0, dtype=torch.int64),
                         req_pool_indices=torch.empty(0, dtype=torch.int64), positions=torch.empty(0, dtype=torch.int64))
     assert pad_decode(idle, 1).req_pool_indices.tolist() == [0]
+
+
+def test_verify_padding_uses_row_zero_and_slot_zero():
+    """Two requests of width 3 padded to 4: the padded rows read row 0's first 3 keys (slot 0)."""
+    fb = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=2, input_ids=torch.tensor([5, 6, 0, 7, 8, 9]),
+                      seq_lens=torch.tensor([10, 4]), out_cache_loc=torch.tensor([21, 22, 23, 31, 32, 33]),
+                      req_pool_indices=torch.tensor([2, 1]), positions=torch.tensor([7, 8, 9, 1, 2, 3]))
+    p = pad_verify(fb, 4, 3)
+    assert p.input_ids.tolist() == [5, 6, 0, 7, 8, 9] + [0] * 6
+    assert p.req_pool_indices.tolist() == [2, 1, 0, 0]
+    assert p.seq_lens.tolist() == [10, 4, 3, 3]  # no prefix: 3 new tokens each
+    assert p.out_cache_loc.tolist() == [21, 22, 23, 31, 32, 33] + [0] * 6
+    assert p.positions.tolist() == [7, 8, 9, 1, 2, 3, 0, 1, 2, 0, 1, 2]
 
 
 def test_padded_rows_touch_nothing(model_dirs):

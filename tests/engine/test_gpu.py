@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine, SamplingParams
+from engine.forward_batch import ForwardMode
 
 pytestmark = pytest.mark.gpu
 
@@ -45,6 +46,8 @@ def test_speculative_verify_on_cuda(model_dirs, backend):
     eng = Engine(**kw, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
     assert [o.token_ids for o in eng.generate(input_ids=ids, sampling_params=params)] == [r.token_ids for r in ref]
     assert eng.stats().spec_accepted_tokens > 0
+    if backend == "triton":  # graph-safe: verify batches padded to 1 + k replay CUDA graphs
+        assert eng.model_runner.graph_runner.replays[ForwardMode.TARGET_VERIFY] > 0
     eng.check_memory()
 
 

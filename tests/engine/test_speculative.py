@@ -95,6 +95,31 @@ def test_greedy_output_is_unchanged_with_another_draft_model(model_dirs, near_dr
     check_acceptance("draft_other", eng)
 
 
+@pytest.mark.parametrize("drafter", DRAFTERS[:2])
+@pytest.mark.parametrize("mode", [MODES[0], MODES[4], MODES[5]])
+def test_verify_batches_padded_to_a_graph_width(model_dirs, mode, drafter):
+    """A CUDA verify graph's shape, run eagerly here: every request padded with filler tokens
+    to 1 + k positions (their logits dropped, their slots freed with the rejected drafts').
+    Output and memory unchanged, in a plain, a retracting and an overlapped run."""
+    path, ids = model_dirs["llama"], prompts()
+    ref, _ = run(path, ids, GREEDY, **mode)
+    eng = Engine(model_path=path, **{**spec(drafter, model_dirs), **mode})
+    runner, shapes = eng.model_runner, []
+    runner.verify_graph_width = lambda bs: 5
+    forward_and_verify = runner.forward_and_verify
+
+    def record(fb, reqs, drafts):
+        shapes.append((list(fb.extend_seq_lens_cpu), [len(d) for d in drafts]))
+        return forward_and_verify(fb, reqs, drafts)
+
+    runner.forward_and_verify = record
+    got = eng.generate(input_ids=ids, sampling_params=GREEDY)
+    eng.check_memory()
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    check_acceptance(drafter, eng)
+    assert any(widths == [5] * len(widths) and min(lens) < 4 for widths, lens in shapes)  # filler ran
+
+
 def test_draft_model_config_errors(model_dirs, tmp_path):
     with pytest.raises(ConfigError, match="speculative_draft_model_path"):
         Engine(model_path=model_dirs["llama"], speculative_algorithm="draft_model")
@@ -197,8 +222,9 @@ def test_stops_inside_an_accepted_block(model_dirs, drafter):
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_abort_while_verifying(model_dirs, near_draft, drafter):
-    eng = Engine(model_path=model_dirs["llama"], **spec(drafter, model_dirs, near_draft))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_while_verifying(model_dirs, near_draft, drafter, overlap):
+    eng = Engine(model_path=model_dirs["llama"], enable_overlap=overlap, **spec(drafter, model_dirs, near_draft))
     params = SamplingParams(max_new_tokens=500, temperature=0, ignore_eos=True)
     ids = prompts(2, seed=5)
     streams = [eng.stream(input_ids=i, sampling_params=params) for i in ids]
@@ -206,6 +232,8 @@ def test_abort_while_verifying(model_dirs, near_draft, drafter):
         next(s)
     while eng.stats().batches_by_mode["TARGET_VERIFY"] < 3:
         eng.step()
+    if overlap:  # the step returned with its verify batch still running on the forward thread
+        assert eng.scheduler.inflight[0].forward_mode.is_target_verify()
     for s in streams:
         s.close()  # aborts; the engine applies it before the next batch
     while eng.step():
