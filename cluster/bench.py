@@ -6,8 +6,8 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             holds about half of the prefixes: cache_aware vs round_robin (total tokens/s, hit rates).
   churn     routing under KV churn: 16 tenants' 384-token prefixes (Zipf popularity), 96 requests,
             16 in flight, 2 engines deployed as Serve replicas whose KV holds about 3 prefixes
-            each, so they keep evicting; the requests are dealt to 2 front ends (Clusters following
-            the fleet, as the HTTP app's replicas do): kv_events (exact, from the engines' KV
+            each, so they keep evicting; the requests are dealt to M front ends (`--frontends`,
+            default 2: Clusters following the fleet, as the HTTP app's replicas do): kv_events (exact, from the engines' KV
             events) vs cache_aware (each front end's approximate tree) vs round_robin, and Ray
             Serve's PrefixCacheAffinityRouter over the same engines (EngineServer's per-request
             handle path; it matches prefixes on a text with one character per token): the
@@ -134,27 +134,29 @@ def case_routing(path: str, scale: float) -> None:
           f"round_robin={hits['round_robin']:.0%} (floor 1.5x)", flush=True)
 
 
-def case_churn(path: str, scale: float) -> None:
+def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2,)) -> None:
     prompts, outs = churn_workload(scale)
     pool = int(len(prompts[0]) * 3.5)
     total = sum(len(p) for p in prompts) + sum(outs)
-    in_flight, frontends = 16, 2
-    results = {}
-    for policy in ("kv_events", "cache_aware", "round_robin"):
-        dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, frontends)
-        results[policy] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
+    in_flight = 16
     # Imported from where it lives: its public alias, ray.serve.llm, needs vLLM or SGLang installed.
     router = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
     dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight, router)
-    results["serve_prefix_affinity"] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
-    line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
-                     for p, r in results.items())
-    exact = results["kv_events"]
-    best = min((results["cache_aware"], results["serve_prefix_affinity"]), key=lambda r: r[3])
-    print(f"churn      {frontends} front ends: {line}  |  hit kv_events - cache_aware = "
-          f"{100 * (exact[1] - results['cache_aware'][1]):+.0f} points, - serve_prefix_affinity = "
-          f"{100 * (exact[1] - results['serve_prefix_affinity'][1]):+.0f} points (floor +10)  "
-          f"ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)", flush=True)
+    serve_router = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
+    for m in frontends:
+        results = {}
+        for policy in ("kv_events", "cache_aware", "round_robin"):
+            dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, m)
+            results[policy] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
+        results["serve_prefix_affinity"] = serve_router  # (one Serve handle: its router sees everything)
+        line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
+                         for p, r in results.items())
+        exact = results["kv_events"]
+        best = min((results["cache_aware"], results["serve_prefix_affinity"]), key=lambda r: r[3])
+        print(f"churn      {m} front ends: {line}  |  hit kv_events - cache_aware = "
+              f"{100 * (exact[1] - results['cache_aware'][1]):+.0f} points, - serve_prefix_affinity = "
+              f"{100 * (exact[1] - results['serve_prefix_affinity'][1]):+.0f} points (floor +10)  "
+              f"ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)", flush=True)
 
 
 def _deploy_engines(path: str, pool: int, app: str, router_class: str | None = None) -> tuple[Any, list]:
@@ -780,6 +782,7 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="scale,routing,churn,http,dp,moe,batch", help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--frontends", default="2", help="churn: comma list of front-end counts to run the policies with")
     ap.add_argument("--ingress", default="proxy,direct,haproxy",
                     help="frontend: the ingress modes to compare, in this order (deploy/ingress.py)")
     ap.add_argument("--stream-interval-s", type=float, default=None,
@@ -808,6 +811,9 @@ def main(argv: list[str] | None = None) -> None:
             continue
         if not ray.is_initialized():
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        if name == "churn":
+            case_churn(path, scale, frontends=tuple(int(m) for m in args.frontends.split(",")))
+            continue
         CASES[name](path, scale)
     if ray.is_initialized():
         ray.shutdown()

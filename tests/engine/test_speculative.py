@@ -120,6 +120,21 @@ def test_verify_batches_padded_to_a_graph_width(model_dirs, mode, drafter):
     assert any(widths == [5] * len(widths) and min(lens) < 4 for widths, lens in shapes)  # filler ran
 
 
+def test_padded_verify_batches_with_the_triton_kernels(model_dirs):
+    """The padded verify shape through the Triton extend kernel (the one a CUDA verify graph
+    replays), in Triton's interpreter: output unchanged."""
+    pytest.importorskip("triton")
+    path, ids = model_dirs["llama"], prompts(3, seed=4)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    ref, _ = run(path, ids, params)
+    eng = Engine(model_path=path, attention_backend="triton", **NGRAM)
+    eng.model_runner.verify_graph_width = lambda bs: 5
+    got = eng.generate(input_ids=ids, sampling_params=params)
+    eng.check_memory()
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert eng.stats().spec_accepted_tokens > 0
+
+
 def test_draft_model_config_errors(model_dirs, tmp_path):
     with pytest.raises(ConfigError, match="speculative_draft_model_path"):
         Engine(model_path=model_dirs["llama"], speculative_algorithm="draft_model")

@@ -1,37 +1,84 @@
 """An attention-DP group in the fleet: a Serve gang (its own module: the apps of test_fleet.py
-hold the test Ray's CPUs until that module ends)."""
+hold the test Ray's CPUs until that module ends), answering plain and constrained requests on
+the trained stories260K model."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
+import jsonschema
+import openai
+import pytest
 import ray
 
 from deploy.app import build_app
 from tests.serve.test_fleet import engines_of, wait_for_engines
 
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "mood": {"enum": ["happy", "sad"]},
+                                           "friends": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}, "maxItems": 3}},
+          "required": ["name", "mood", "friends"], "additionalProperties": False}
 
-def test_an_attention_dp_group_is_a_serve_gang(serve_base, model_dirs):
-    """dp_attention in the fleet: the group's two engines are one Serve gang, step together
-    (IDLE batches for the member with no request) and answer as one engine would."""
+
+@pytest.fixture(scope="module")
+def dp_base(serve_base, model_dirs):
     from ray import serve
 
-    from engine import Engine, SamplingParams
-
     path = model_dirs["stories"]
-    ref = Engine(model_path=path).generate(prompt="Once upon a time",
-                                           sampling_params=SamplingParams(max_new_tokens=12, temperature=0.0))
-    serve.run(build_app({"model_path": path, "num_engines": 2, "dp_attention": True, "dp_group_size": 2}),
-              name="fleet-dp", route_prefix="/fleet-dp")
+    serve.run(build_app({"model_path": path, "num_engines": 2, "dp_attention": True, "dp_group_size": 2,
+                         "served_model_name": "stories"}), name="fleet-dp", route_prefix="/fleet-dp")
     base = serve_base + "/fleet-dp"
     try:
         wait_for_engines(base, 2)
-        for _ in range(3):
-            r = httpx.post(f"{base}/v1/completions", timeout=60,
-                           json={"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == ref.text
-        stats = ray.get([e.stats.remote() for e in engines_of(base)])
-        assert all(s.dp is not None and s.dp.steps > 0 for s in stats)  # both stepped in lock-step
-        assert any(s.engine.batches_by_mode["IDLE"] > 0 for s in stats)
+        yield base, path
     finally:
         serve.delete("fleet-dp")
+
+
+def test_an_attention_dp_group_is_a_serve_gang(dp_base):
+    """dp_attention in the fleet: the group's two engines are one Serve gang, step together
+    (IDLE batches for the member with no request) and answer as one engine would."""
+    from engine import Engine, SamplingParams
+
+    base, path = dp_base
+    ref = Engine(model_path=path).generate(prompt="Once upon a time",
+                                           sampling_params=SamplingParams(max_new_tokens=12, temperature=0.0))
+    for _ in range(3):
+        r = httpx.post(f"{base}/v1/completions", timeout=60,
+                       json={"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.text
+    stats = ray.get([e.stats.remote() for e in engines_of(base)])
+    assert all(s.dp is not None and s.dp.steps > 0 for s in stats)  # both stepped in lock-step
+    assert any(s.engine.batches_by_mode["IDLE"] > 0 for s in stats)
+
+
+def test_structured_outputs_on_the_trained_model_under_attention_dp(dp_base):
+    """JSON schema (streamed and not, sampled, several choices) and regex outputs conform on
+    stories260K, whose text pulls away from the grammar, with the requests spread over the group."""
+    base, _ = dp_base
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+    fmt = {"type": "json_schema", "json_schema": {"name": "kid", "schema": SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "Lily was happy."}]
+    chat = client.chat.completions.create(model="stories", messages=messages, max_tokens=200, temperature=0.8,
+                                          seed=3, n=3, response_format=fmt)
+    texts = [(c.message.content, c.finish_reason) for c in chat.choices]
+    stream = client.chat.completions.create(model="stories", messages=messages, max_tokens=200, temperature=0.0,
+                                            response_format=fmt, stream=True)
+    parts, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    texts.append(("".join(parts), finish))
+    for text, finish in texts:
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    regex = r"(Tom|Sue) is [0-9]{1,2}\."
+    rx = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=20, temperature=0.9,
+                                   seed=7, n=2, extra_body={"regex": regex})
+    for c in rx.choices:
+        assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
