@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check (no network needed; a few minutes on one GPU): the `gpu` tests (CUDA
 # parity in bf16 and fp32, Triton kernels on the device, CUDA-graph replay vs eager, overlap and
-# speculative verify batches on CUDA with n-gram and draft-model drafts, fused MoE) and the graph / roofline micro-benchmark. Record its output in docs/BENCHMARKS.md.
+# speculative verify batches on CUDA with n-gram and draft-model drafts, verify batches replayed as CUDA graphs, fused MoE) and the graph / roofline micro-benchmark. Record its output in docs/BENCHMARKS.md.
 #   bash scripts/gpu_check.sh [OUT_DIR]     (after `bash scripts/gpu_wheels.sh` here; carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
