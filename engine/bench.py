@@ -295,9 +295,9 @@ def case_spec(path: str, scale: float, stories: str | None = None) -> None:
                     steps = after.spec_verify_requests - before.spec_verify_requests
                     spec[algo] = (accepted / max(drafted, 1), (accepted + steps) / max(steps, 1))
                 del eng
-            line = "  ".join(f"{algo}={rates[algo]:,.1f} decode tok/s ({rates[algo] / rates[None]:.2f}x, acceptance="
+            figures = "  ".join(f"{algo}={rates[algo]:,.1f} decode tok/s ({rates[algo] / rates[None]:.2f}x, acceptance="
                              f"{spec[algo][0]:.0%}, mean accepted length={spec[algo][1]:.2f})" for algo in spec)
-            print(f"spec       {name} bs={bs}: {line}  off={rates[None]:,.1f}  "
+            print(f"spec       {name} bs={bs}: {figures}  off={rates[None]:,.1f}  "
                   f"(floor 2x at bs=1 where the length is >= 3)", flush=True)
     # Overlap: each verify forward runs on the forward thread while the step before it is
     # delivered; end to end, prefill included.
