@@ -107,6 +107,18 @@ class ForwardBatch:
         self.extend_start_loc = torch.tensor(starts)
         return starts
 
+    def verify_as_decode_rows(self) -> ForwardBatch:
+        """This TARGET_VERIFY batch as a DECODE batch of one row per position: each row attends
+        over its request's KV up to its own position (the decode kernels store every row's KV
+        before any row attends), which is the verify mask; logits come back for every row, in
+        the same order. The CPU decode kernel (and its graphs) then runs verify batches."""
+        rows = self.req_pool_indices.repeat_interleave(self.extend_seq_lens.to(self.req_pool_indices.device))
+        seq_lens = self.positions + 1
+        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=self.num_tokens, input_ids=self.input_ids,
+                            seq_lens=seq_lens, out_cache_loc=self.out_cache_loc, req_pool_indices=rows,
+                            positions=self.positions, seq_lens_cpu=seq_lens.tolist(),
+                            last_token_indices=torch.arange(self.num_tokens, device=self.positions.device))
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])

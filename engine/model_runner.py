@@ -126,6 +126,9 @@ class ModelRunner:
                 if self.model.expert_tokens is not None:  # warm-up forwards are no traffic
                     self.model.expert_tokens.zero_()
                 log.info("CPU decode graphs for batch sizes %s compiled in %.1f s", self.graph_runner.ladder, seconds)
+        # On the CPU a verify batch runs as decode rows: the fused C++ decode kernel (and the CPU
+        # decode graphs) instead of the extend attention.
+        self.verify_as_decode = not cuda and self.attn_backend.cpu_graph_safe
         # Greedy ids of a plain greedy batch land here (the kernel's argmax), and go to the host
         # as a list at once, so the buffers are free for the next batch.
         self.greedy_ids = self.greedy_void = None
@@ -208,8 +211,8 @@ class ModelRunner:
     def forward_and_verify(self, fb: ForwardBatch, reqs: list, drafts: list[list[int]]) -> Verified:
         """TARGET_VERIFY: logits at every draft position, then what each request keeps
         (engine/speculative.py), on the host: the next step drafts from the tokens kept."""
-        logits = self.forward(fb)
         widths = fb.extend_seq_lens_cpu
+        logits = self.forward(fb.verify_as_decode_rows() if self.verify_as_decode else fb)
         if any(n != 1 + len(d) for n, d in zip(widths, drafts)):  # padded: keep the drafts' rows
             starts = itertools.accumulate(widths, initial=0)
             keep = [j for s, d in zip(starts, drafts) for j in range(s, s + 1 + len(d))]

@@ -273,8 +273,10 @@ static inline void rope_row(const T* x, const T* c, const T* s, float* out, int6
 }
 
 // Decode with RoPE and the KV store fused in: qkv [B, H + 2 Hkv, D] (rows may be strided) straight
-// from the projection; k and v are roped/stored at out_loc in the pool, then each request attends
-// over req_to_token[row, :seq_len]. cos, sin [P, D]; positions, out_loc, rows, seq_lens int64 [B].
+// from the projection; every row's k and v are roped/stored at out_loc in the pool first, then each
+// row attends over req_to_token[row, :seq_len] (so rows of one request at consecutive positions, a
+// verify batch laid out as decode rows, see each other's keys causally).
+// cos, sin [P, D]; positions, out_loc, rows, seq_lens int64 [B].
 template <typename T>
 static void decode_rope_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                              const torch::Tensor& positions, torch::Tensor& k_buf, torch::Tensor& v_buf,
@@ -295,21 +297,26 @@ static void decode_rope_impl(const torch::Tensor& qkv, const torch::Tensor& cos,
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   const int64_t split = head_split(B, Hkv);
+  // The new tokens' k (roped) and v into their slots, every row before any attends.
+  at::parallel_for(0, B * Hkv, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / Hkv, hk = i % Hkv;
+      const T* row = qp + b * row_stride;
+      rope_row<T>(row + (H + hk) * D, cp + pos[b] * D, sp + pos[b] * D, tmp.data(), D);
+      T* kd = kp + (loc[b] * Hkv + hk) * D;
+      for (int64_t d = 0; d < D; ++d) kd[d] = fromf<T>(tmp[d]);
+      std::memcpy(vp + (loc[b] * Hkv + hk) * D, row + (H + Hkv + hk) * D, D * sizeof(T));
+    }
+  });
   at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(H * D), of(H * D), tmp(D);
+    std::vector<float> scores, qf(H * D), of(H * D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / split, part = i % split, L = lp[b];
       const int64_t h0 = part * Hkv / split, h1 = (part + 1) * Hkv / split;
       const T* row = qp + b * row_stride;
       const T* c = cp + pos[b] * D;
       const T* s = sp + pos[b] * D;
-      // The new token's k (roped) and v, this item's kv heads, into its slot.
-      for (int64_t hk = h0; hk < h1; ++hk) {
-        rope_row<T>(row + (H + hk) * D, c, s, tmp.data(), D);
-        T* kd = kp + (loc[b] * Hkv + hk) * D;
-        for (int64_t d = 0; d < D; ++d) kd[d] = fromf<T>(tmp[d]);
-        std::memcpy(vp + (loc[b] * Hkv + hk) * D, row + (H + Hkv + hk) * D, D * sizeof(T));
-      }
       for (int64_t h = h0 * G; h < h1 * G; ++h) rope_row<T>(row + h * D, c, s, qf.data() + h * D, D);
       if (L <= 0) continue;
       attend_any<T>(qf.data(), kp, vp, of.data(), r2t + rp[b] * C, L, Hkv, G, h0, h1, sc, scores, D);

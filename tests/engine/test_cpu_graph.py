@@ -70,6 +70,35 @@ def test_graphs_match_transformers_in_every_mode(model_dirs, hf, mode):
     eng.check_memory()
 
 
+def test_verify_batches_replay_the_decode_graphs(model_dirs, hf):
+    """With n-gram speculation, a verify batch runs as decode rows (one per position): the
+    decode graphs replay it when its rows fit the ladder. Output stays transformers'."""
+    path = model_dirs["llama"]
+    eng = graph_engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+    runner, replayed_rows, verifying = eng.model_runner, [], []
+    replay, forward_and_verify = runner.graph_runner.replay, runner.forward_and_verify
+
+    def record_replay(fb):
+        if verifying:
+            replayed_rows.append(fb.batch_size)
+        return replay(fb)
+
+    def record_verify(fb, reqs, drafts):
+        verifying.append(True)
+        try:
+            return forward_and_verify(fb, reqs, drafts)
+        finally:
+            verifying.clear()
+
+    runner.graph_runner.replay, runner.forward_and_verify = record_replay, record_verify
+    ids = prompts(eng, 2, seed=5, lo=10, hi=30)
+    outs = eng.generate(input_ids=ids, sampling_params=PARAMS24)
+    assert eng.stats().spec_accepted_tokens > 0
+    assert any(rows > 2 for rows in replayed_rows)  # a verify batch's rows: more than its 2 requests
+    assert_matches_hf(eng, hf, path, ids, outs, n=24)
+    eng.check_memory()
+
+
 def test_graphs_match_transformers_with_qk_norm_and_one_kv_head(model_dirs, hf):
     path = model_dirs["qwen3"]  # per-head q/k RMSNorm, four query heads per kv head, head_dim 32
     eng = graph_engine(path)
