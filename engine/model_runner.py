@@ -15,7 +15,7 @@ from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.models import build_model
-from engine.sampling import SampleResult, sample_on_device
+from engine.sampling import SampleResult, grammar_bitmask, sample_on_device
 from engine.speculative import VerifyResult, verify
 from kernels import cpu_kernels
 from kernels.cpu_linear import LinearKind, native_linear_works, onednn_linear_works
@@ -73,10 +73,10 @@ def cpu_graphs_enabled(config: EngineConfig) -> bool:
 
 
 def plain_greedy(req) -> bool:
-    """Its next token is the argmax of the raw logits: nothing else is asked of the sampler."""
+    """Its next token is the argmax of the raw logits over what its grammar (if any) allows:
+    nothing else is asked of the sampler."""
     p = req.sampling_params
-    return (p.is_greedy and not p.logprobs and p.prompt_logprobs is None and not p.has_penalties
-            and getattr(req, "grammar", None) is None)
+    return p.is_greedy and not p.logprobs and p.prompt_logprobs is None and not p.has_penalties
 
 
 class ModelRunner:
@@ -229,7 +229,11 @@ class ModelRunner:
         if self.greedy_ids is not None and logits.shape[0] == len(reqs) and all(map(plain_greedy, reqs)):
             n = logits.shape[0]
             ids, void = self.greedy_ids[:n], self.greedy_void[:n]
-            cpu_kernels.argmax_rows(logits, ids, void)
+            grammar = grammar_bitmask([getattr(r, "grammar", None) for r in reqs], logits.device)
+            if grammar is None:
+                cpu_kernels.argmax_rows(logits, ids, void)
+            else:
+                cpu_kernels.masked_argmax_rows(logits, grammar[1], ids, void)
             self.future_token_ids[fb.req_pool_indices] = ids
             return PendingSample(void.tolist(), [None] * n)
         next_ids, bad, logprobs = sample_on_device(logits, reqs)

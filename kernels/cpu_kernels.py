@@ -760,6 +760,52 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, c10::optional<torch::
 #endif
 }
 
+// Greedy sampling under a grammar: per row the first index of the maximum over the tokens its
+// bitmask allows (int32 words, bit k of word j = token 32 j + k; tokens past the mask are not
+// allowed); void_ids -1 where an allowed logit is NaN or no allowed logit is finite.
+template <typename T>
+static void masked_argmax_impl(const T* lp, int64_t B, int64_t V, int64_t ld, const int32_t* mask, int64_t W,
+                               int64_t* ids, int64_t* void_ids) {
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const T* row = lp + b * ld;
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(mask + b * W);
+      float best = -INFINITY;
+      int64_t arg = -1;
+      bool nan = false;
+      for (int64_t j = 0; j < W && 32 * j < V; ++j) {
+        for (uint32_t w = words[j]; w != 0; w &= w - 1) {
+          const int64_t t = 32 * j + __builtin_ctz(w);
+          if (t >= V) break;
+          const float v = tof(row[t]);
+          nan |= std::isnan(v);
+          if (v > best) best = v, arg = t;
+        }
+      }
+      ids[b] = arg < 0 ? 0 : arg;
+      void_ids[b] = (nan || arg < 0 || !std::isfinite(best)) ? -1 : arg;
+    }
+  });
+}
+
+void masked_argmax_rows(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor ids, torch::Tensor void_ids) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "masked_argmax_rows: logits [B, V]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous() &&
+              bitmask.size(0) == logits.size(0), "masked_argmax_rows: an int32 bitmask [B, words]");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && void_ids.scalar_type() == torch::kInt64 &&
+              ids.numel() >= logits.size(0) && void_ids.numel() >= logits.size(0),
+              "masked_argmax_rows: int64 outputs");
+  const int32_t* mask = bitmask.data_ptr<int32_t>();
+  if (logits.scalar_type() == torch::kFloat32) {
+    masked_argmax_impl<float>(logits.data_ptr<float>(), logits.size(0), logits.size(1), logits.stride(0), mask,
+                              bitmask.size(1), ids.data_ptr<int64_t>(), void_ids.data_ptr<int64_t>());
+  } else {
+    TORCH_CHECK(logits.scalar_type() == torch::kBFloat16, "masked_argmax_rows: float32 or bfloat16");
+    masked_argmax_impl<bf16>(logits.data_ptr<bf16>(), logits.size(0), logits.size(1), logits.stride(0), mask,
+                             bitmask.size(1), ids.data_ptr<int64_t>(), void_ids.data_ptr<int64_t>());
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // oneDNN's linear over a weight it packed (mkldnn::_linear_pointwise), as one operator of ours:
 // inside a compiled graph it is called from C++ (inductor's own lowering of the mkldnn operator
@@ -807,6 +853,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
   m.def("argmax_rows", &argmax_rows, "greedy ids, -1 for non-finite rows");
+  m.def("masked_argmax_rows", &masked_argmax_rows, "greedy ids over the tokens a bitmask allows");
   m.def("stream_sum", &stream_sum, "read a buffer with every thread");
   m.def("gemm_available", &gemm_available, "the AVX-512 GEMM is built");
   m.def("gemm_pack", &gemm_pack, "pack W [N, K] into 16-column panels");
@@ -963,6 +1010,11 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, 
 def argmax_rows(logits: torch.Tensor, ids: torch.Tensor, void_ids: torch.Tensor) -> None:
     """Per row the argmax into ids, and into void_ids too, or -1 where the row is not finite."""
     _eager("argmax_rows")(logits, ids, void_ids)
+
+
+def masked_argmax_rows(logits: torch.Tensor, bitmask: torch.Tensor, ids: torch.Tensor, void_ids: torch.Tensor) -> None:
+    """argmax_rows over the tokens an int32 token bitmask [B, words] allows per row."""
+    _eager("masked_argmax_rows")(logits, bitmask, ids, void_ids)
 
 
 def stream_read_bandwidth(nbytes: int, repeats: int = 5) -> float:

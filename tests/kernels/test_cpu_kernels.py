@@ -121,6 +121,35 @@ def test_argmax_rows_flags_non_finite_rows(dtype):
     assert ids[6:].tolist() == [-5, -5]  # only the batch's rows are written
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_argmax_rows_is_argmax_over_allowed_tokens(dtype):
+    """Against torch.argmax of the masked logits; a mask word past the vocabulary is ignored."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 7, 300  # 10 words: the last covers 288..319, past the vocabulary
+    logits = torch.randn(rows, vocab, generator=g).to(dtype)
+    allowed = torch.rand(rows, 320, generator=g) < 0.1
+    allowed[1] = True  # everything
+    allowed[2] = False  # nothing: void
+    allowed[3] = False
+    allowed[3, [40, 299]] = True
+    logits[3, 299] = logits[3, 40] = 30.0  # a tie: the first index
+    allowed[4, 5] = True
+    logits[4, 5] = float("nan")  # an allowed NaN: void
+    allowed[5, 6], allowed[5, 7] = False, True
+    logits[5, 6] = float("nan")  # a forbidden NaN does not matter
+    bits = allowed.view(rows, 10, 32).long() << torch.arange(32)
+    bitmask = bits.sum(-1).to(torch.int64).to(torch.uint32).view(torch.int32).contiguous()
+    ids, void = torch.full((8,), -5, dtype=torch.int64), torch.full((8,), -5, dtype=torch.int64)
+    cpu_kernels.masked_argmax_rows(logits, bitmask, ids, void)
+    masked = logits.float().masked_fill(~allowed[:, :vocab], float("-inf"))
+    want = torch.argmax(masked, dim=-1)
+    for r in (0, 1, 5, 6):
+        assert ids[r] == want[r] and void[r] == want[r] and allowed[r, want[r]]
+    assert ids[3] == 40 and void[3] == 40
+    assert void[2] == -1 and void[4] == -1
+    assert ids[7:].tolist() == [-5]
+
+
 needs_gemm = pytest.mark.skipif(not cpu_kernels.load().gemm_available(), reason="no AVX-512 on this CPU")
 
 
