@@ -478,9 +478,9 @@ def case_roofline_bs1(path: str, scale: float) -> None:
           + f"  ({nbytes >> 20} MiB buffer, last-level cache {llc >> 20} MiB, best of 5, "
           f"{torch.get_num_threads()} threads)", flush=True)
     out_len, rounds = (128, 5) if scale >= 1 else (32, 1)
-    on_off = {"graphs": {}, "eager": {"disable_cpu_graph": True}}
+    on_off = {"graphs": {"cpu_graph": "on"}, "eager": {"cpu_graph": "off"}}
     for dtype in ("float32", "bfloat16"):
-        probe = Engine(model_path=path, dtype=dtype, max_total_tokens=4096, disable_cpu_graph=True)
+        probe = Engine(model_path=path, dtype=dtype, max_total_tokens=4096, cpu_graph="off")
         params = probe.model_runner.model.num_parameters()
         kind = probe.model_runner.linear_kind
         del probe
@@ -503,8 +503,8 @@ def case_roofline_bs1(path: str, scale: float) -> None:
     kinds = {}
     for kind in ("native", "onednn"):
         try:
-            Engine(model_path=path, linear_backend=kind, max_total_tokens=4096, disable_cpu_graph=True)
-            kinds[kind] = {"linear_backend": kind, "disable_cpu_graph": True}
+            Engine(model_path=path, linear_backend=kind, max_total_tokens=4096, cpu_graph="off")
+            kinds[kind] = {"linear_backend": kind, "cpu_graph": "off"}
         except Exception as e:  # noqa: BLE001 - a backend this machine lacks
             print(f"roofline   prefill with {kind} linears: unavailable ({e})", flush=True)
     if len(kinds) == 2:

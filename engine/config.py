@@ -18,6 +18,7 @@ LinearBackend = Literal["auto", "native", "onednn", "torch"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 MoeSplit = Literal["experts", "intermediate"]
 MoeDispatch = Literal["gather", "all_to_all"]
+CpuGraphMode = Literal["auto", "on", "off"]
 SCHEDULE_POLICIES = get_args(SchedulePolicy)
 ATTENTION_BACKENDS = get_args(AttentionBackendName)
 LINEAR_BACKENDS = get_args(LinearBackend)
@@ -26,6 +27,7 @@ SPECULATIVE_ALGORITHMS = get_args(SpeculativeAlgorithm)
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 MOE_SPLITS = get_args(MoeSplit)
 MOE_DISPATCHES = get_args(MoeDispatch)
+CPU_GRAPH_MODES = get_args(CpuGraphMode)
 
 
 def build_config(cls: type, what: str, kwargs: dict[str, Any], strict: bool = True) -> Any:
@@ -77,9 +79,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     linear_backend: LinearBackend = "auto"
     disable_cuda_graph: bool = False  # decode/IDLE graphs on CUDA (with a graph-safe backend)
     # Decode graphs on the CPU: the decode forward compiled with torch.compile once per batch-size
-    # bucket (the CUDA-graph ladder), at start-up (engine/cpu_graph.py).
-    # RADIXRAY_CPU_GRAPHS=0 in the environment turns them off for the whole process.
-    disable_cpu_graph: bool = False
+    # bucket (the CUDA-graph ladder), at start-up (engine/cpu_graph.py). auto: on for bfloat16
+    # weights only, where the bench measured them faster; float32 decodes as fast eagerly and
+    # would pay the compiles at every engine start. Under "auto", RADIXRAY_CPU_GRAPHS=0 or 1 in the
+    # environment decides for the whole process.
+    cpu_graph: CpuGraphMode = "auto"
     cpu_graph_lazy: bool = False  # compile a bucket the first time it runs instead (faster start)
     cuda_graph_max_bs: int = 64  # the largest batch of the graph ladder (CUDA and CPU graphs)
     init_new_token_ratio: float = 0.7
@@ -117,6 +121,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(self.moe_split in MOE_SPLITS, f"moe_split must be one of {MOE_SPLITS}, got {self.moe_split!r}")
         need(self.moe_dispatch in MOE_DISPATCHES,
              f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
+        need(self.cpu_graph in CPU_GRAPH_MODES, f"cpu_graph must be one of {CPU_GRAPH_MODES}, got {self.cpu_graph!r}")
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",

@@ -67,9 +67,13 @@ def use_onednn(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
     return resolve_linear(backend, device, dtype) == "onednn"
 
 
-def cpu_graphs_enabled(config: EngineConfig) -> bool:
-    """EngineConfig.disable_cpu_graph, unless RADIXRAY_CPU_GRAPHS=0 turns them off process-wide."""
-    return not config.disable_cpu_graph and os.environ.get("RADIXRAY_CPU_GRAPHS", "1") != "0"
+def cpu_graphs_enabled(config: EngineConfig, dtype: torch.dtype) -> bool:
+    """EngineConfig.cpu_graph; "auto" is RADIXRAY_CPU_GRAPHS=0 or 1 where that is set (process-wide),
+    else on for bfloat16 weights."""
+    mode = config.cpu_graph
+    if mode == "auto":
+        mode = {"0": "off", "1": "on"}.get(os.environ.get("RADIXRAY_CPU_GRAPHS", ""), "auto")
+    return mode == "on" or (mode == "auto" and dtype == torch.bfloat16)
 
 
 def plain_greedy(req) -> bool:
@@ -116,7 +120,7 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running), verify_width)
             if self.model.expert_tokens is not None:  # capture's warm-up forwards are no traffic
                 self.model.expert_tokens.zero_()
-        elif (not cuda and cpu_graphs_enabled(config) and mlp_shard[1] == 1 and self.attn_backend.cpu_graph_safe
+        elif (not cuda and cpu_graphs_enabled(config, self.dtype) and mlp_shard[1] == 1 and self.attn_backend.cpu_graph_safe
               and self.model.cpu_graph_safe):  # (attention-DP's MLP collectives stay eager, as on CUDA)
             from engine.cpu_graph import CpuGraphRunner
 

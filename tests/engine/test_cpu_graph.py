@@ -188,18 +188,24 @@ def test_graphs_off_where_they_cannot_run(model_dirs, monkeypatch):
     from engine.config import EngineConfig
 
     path = model_dirs["llama"]
-    assert Engine(model_path=path, disable_cpu_graph=True).model_runner.graph_runner is None
+    assert Engine(model_path=path, cpu_graph="off").model_runner.graph_runner is None
     # An attention-DP member's MLP runs collectives: eager, as under CUDA graphs.
     assert ModelRunner(EngineConfig(model_path=path), path, mlp_shard=(0, 2)).graph_runner is None
     monkeypatch.setenv("RADIXRAY_CPU_GRAPHS", "0")
     assert Engine(model_path=path).model_runner.graph_runner is None
+    # "auto" (the default): graphs for bfloat16 weights only.
+    monkeypatch.delenv("RADIXRAY_CPU_GRAPHS")
+    assert Engine(model_path=path).model_runner.graph_runner is None
+    lazy = dict(cpu_graph_lazy=True, cuda_graph_max_bs=LADDER_MAX)
+    assert isinstance(Engine(model_path=path, dtype="bfloat16", **lazy).model_runner.graph_runner, CpuGraphRunner)
+    assert isinstance(Engine(model_path=path, cpu_graph="on", **lazy).model_runner.graph_runner, CpuGraphRunner)
 
 
 def test_bfloat16_graphs_match_bfloat16_eager(model_dirs):
     """bfloat16 decode through graphs: the same kernels as eager (one row: the project's bfloat16
     GEMM; five rows, padded to eight: oneDNN's, an opaque custom op in the graph), so the same tokens."""
     path = model_dirs["llama"]
-    eager = Engine(model_path=path, dtype="bfloat16", disable_cpu_graph=True)
+    eager = Engine(model_path=path, dtype="bfloat16", cpu_graph="off")
     eng = graph_engine(path, dtype="bfloat16")
     for n in (1, 5):
         ids = prompts(eng, n, seed=36 + n)
