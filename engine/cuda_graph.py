@@ -136,7 +136,8 @@ class CudaGraphRunner:
         model, attn = self.runner.model, self.runner.attn_backend
         stream = torch.cuda.Stream()
         fb = self._fb(mode, size)
-        self._load(self._pad(fb.forward_mode, fb, 0))  # inert rows: the warm-up reads only slot 0
+        nothing = ForwardBatch(mode, 0, *(torch.empty(0, dtype=torch.int64) for _ in range(5)))
+        self._load(self._pad(mode, nothing, size))  # all rows inert: the warm-up reads only slot 0
         fb.attn_metadata = attn.capture_metadata(fb)
         self.batches[mode, size] = fb
         with torch.cuda.stream(stream):
@@ -150,9 +151,6 @@ class CudaGraphRunner:
         self.graphs[mode, size] = graph
 
     def _pad(self, mode: ForwardMode, fb: ForwardBatch, size: int) -> PaddedDecode:
-        """fb's rows padded to `size` (size 0: fb is a captured batch; all its rows become padding)."""
-        if size == 0:
-            size, fb = fb.batch_size, ForwardBatch(mode, 0, *(torch.empty(0, dtype=torch.int64) for _ in range(5)))
         return pad_verify(fb, size, self.verify_width) if mode == ForwardMode.TARGET_VERIFY else pad_decode(fb, size)
 
     def _load(self, padded: PaddedDecode) -> None:
