@@ -68,7 +68,8 @@ class CpuGraphRunner:
         return time.perf_counter() - t0
 
     def verify_graph_width(self, bs: int) -> None:
-        """Verify batches run eagerly on the CPU: their extend attention has no graph-safe kernel."""
+        """No padded verify shape on the CPU: a verify batch runs as decode rows
+        (`ForwardBatch.verify_as_decode_rows`), which replay the decode graphs where they fit."""
         return None
 
     def can_run(self, fb: ForwardBatch) -> bool:

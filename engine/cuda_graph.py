@@ -71,12 +71,13 @@ def pad_verify(fb: ForwardBatch, size: int, width: int) -> PaddedDecode:
     dev = fb.input_ids.device
 
     def fill(t: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t.to(torch.int64), tail.to(device=dev, dtype=torch.int64)])
+        return torch.cat([t.to(torch.int64), tail])
 
-    zeros = torch.zeros(pad * width, dtype=torch.int64)
+    zeros = torch.zeros(pad * width, dtype=torch.int64, device=dev)
     return PaddedDecode(input_ids=fill(fb.input_ids, zeros), req_pool_indices=fill(fb.req_pool_indices, zeros[:pad]),
-                        seq_lens=fill(fb.seq_lens, torch.full((pad,), width)), out_cache_loc=fill(fb.out_cache_loc, zeros),
-                        positions=fill(fb.positions, torch.arange(width).repeat(pad)))
+                        seq_lens=fill(fb.seq_lens, torch.full((pad,), width, dtype=torch.int64, device=dev)),
+                        out_cache_loc=fill(fb.out_cache_loc, zeros),
+                        positions=fill(fb.positions, torch.arange(width, device=dev).repeat(pad)))
 
 
 class CudaGraphRunner:
@@ -112,6 +113,9 @@ class CudaGraphRunner:
         self.outputs: dict[tuple[ForwardMode, int], torch.Tensor] = {}
         self.replays: dict[ForwardMode, int] = {ForwardMode.DECODE: 0, ForwardMode.TARGET_VERIFY: 0}
         self.pool = None
+        # One capture stream: the caching allocator reuses a freed block only on its own stream,
+        # so graphs captured on one stream share the pool's working memory.
+        self.stream = torch.cuda.Stream()
         for size in reversed(self.ladder):  # largest first: the shared pool fits every smaller graph
             self._capture(ForwardMode.DECODE, size)
         for size in reversed(self.verify_ladder):
@@ -133,13 +137,13 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture(self, mode: ForwardMode, size: int) -> None:
-        model, attn = self.runner.model, self.runner.attn_backend
-        stream = torch.cuda.Stream()
+        model, attn, stream = self.runner.model, self.runner.attn_backend, self.stream
         fb = self._fb(mode, size)
         nothing = ForwardBatch(mode, 0, *(torch.empty(0, dtype=torch.int64) for _ in range(5)))
         self._load(self._pad(mode, nothing, size))  # all rows inert: the warm-up reads only slot 0
         fb.attn_metadata = attn.capture_metadata(fb)
         self.batches[mode, size] = fb
+        stream.wait_stream(torch.cuda.current_stream())  # the inert rows' copies
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up (Triton autotune, allocator) outside the capture
                 model.forward(fb, attn)

@@ -94,6 +94,7 @@ class ScheduleBatch:
         self.drafts = drafts
         self.prefix_lens = [r.kv_len for r in self.reqs]
         self.extend_lens = [width or 1 + len(d) for d in drafts]
+        assert all(n >= 1 + len(d) for n, d in zip(self.extend_lens, drafts)), "drafts wider than the verify width"
         input_ids = [t for r, d, n in zip(self.reqs, drafts, self.extend_lens)
                      for t in (r.output_ids[-1], *d, *[0] * (n - 1 - len(d)))]
         self.forward_mode = ForwardMode.TARGET_VERIFY

@@ -61,7 +61,7 @@ class StepStrategy:
     """Runs each batch to its result within the step."""
 
     executor: concurrent.futures.Executor | None = None  # where forwards run (None: inline)
-    overlap = False  # a decode batch's results may wait while the next batch is scheduled
+    overlap = False  # a decode (or verify) batch's results may wait until the next step
 
     def sync(self, sched: Scheduler, batch: ScheduleBatch | None,
              touched: list[Req]) -> ScheduleBatch | None:
@@ -75,7 +75,8 @@ class StepStrategy:
 
 class OverlapStep(StepStrategy):
     """Overlap scheduling: decode batch N+1 is scheduled (inputs read from the future-token
-    buffer) while batch N runs on the forward thread; its results are processed after."""
+    buffer) while batch N runs on the forward thread; its results are processed after. A verify
+    batch stays in flight too, but the next step waits for it before drafting."""
 
     overlap = True
 
@@ -331,7 +332,8 @@ class Scheduler:
         if need == len(reqs) or need > self.cache.available_size():
             return None, None
         width = self.model_runner.verify_graph_width(len(reqs))
-        if width is not None and (len(reqs) * width > self.cache.available_size()
+        # The filler is freed again at once: it may take free slots only, never evict the cache.
+        if width is not None and (len(reqs) * width > self.cache.allocator.available_size()
                                   or any(r.kv_len + width > self.max_context_len for r in reqs)):
             width = None  # no room for the filler: eager, at each request's own width
         return drafts, width

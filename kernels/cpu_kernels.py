@@ -848,19 +848,22 @@ TORCH_LIBRARY_IMPL(radixray, MkldnnCPU, m) {  // oneDNN's packed weight is an MK
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention (CPU, float32)");
-  m.def("decode_attention_rope", &decode_attention_rope, "RoPE + KV store + paged decode attention");
-  m.def("rms_norm", &rms_norm, "RMSNorm");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
-  m.def("argmax_rows", &argmax_rows, "greedy ids, -1 for non-finite rows");
-  m.def("masked_argmax_rows", &masked_argmax_rows, "greedy ids over the tokens a bitmask allows");
+  // The kernels touch no Python object: they run without the GIL, so the scheduler thread keeps
+  // going while the overlap forward thread computes.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("decode_attention", &decode_attention, nogil, "paged decode attention (CPU, float32)");
+  m.def("decode_attention_rope", &decode_attention_rope, nogil, "RoPE + KV store + paged decode attention");
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm");
+  m.def("add_rms_norm", &add_rms_norm, nogil, "residual += x; RMSNorm(residual)");
+  m.def("argmax_rows", &argmax_rows, nogil, "greedy ids, -1 for non-finite rows");
+  m.def("masked_argmax_rows", &masked_argmax_rows, nogil, "greedy ids over the tokens a bitmask allows");
   m.def("stream_sum", &stream_sum, "read a buffer with every thread");
   m.def("gemm_available", &gemm_available, "the AVX-512 GEMM is built");
   m.def("gemm_pack", &gemm_pack, "pack W [N, K] into 16-column panels");
-  m.def("gemm", &gemm, "x @ W^T (+ bias) over packed W");
+  m.def("gemm", &gemm, nogil, "x @ W^T (+ bias) over packed W");
   m.def("gemm_bf16_available", &gemm_bf16_available, "the AVX512-BF16 GEMM is built");
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack bf16 W [N, K] into 16-column panels of k pairs");
-  m.def("gemm_bf16", &gemm_bf16, "x @ W^T (+ bias), bfloat16, over packed W");
+  m.def("gemm_bf16", &gemm_bf16, nogil, "x @ W^T (+ bias), bfloat16, over packed W");
 }
 """
 
