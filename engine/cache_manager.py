@@ -81,6 +81,10 @@ class CacheManager:
         """Slots an allocation can get now: free ones plus what eviction can free."""
         return self.allocator.available_size() + self.tree.evictable_size()
 
+    def free_size(self) -> int:
+        """Slots an allocation can get without evicting anything from the cache."""
+        return self.allocator.available_size()
+
     def used_size(self) -> int:
         """Slots held by requests (running, or their locked prefixes)."""
         return self.allocator.size - self.available_size()

@@ -52,21 +52,12 @@ class PaddedDecode:
 
 def pad_decode(fb: ForwardBatch, size: int) -> PaddedDecode:
     """The decode (or IDLE) batch's tensors padded to `size` rows: row 0, seq_len 1, slot 0."""
-    bs = fb.batch_size
-    pad = size - bs
-    dev = fb.input_ids.device
-
-    def fill(t: torch.Tensor, value: int) -> torch.Tensor:
-        return torch.cat([t.to(torch.int64), torch.full((pad,), value, dtype=torch.int64, device=dev)])
-
-    return PaddedDecode(input_ids=fill(fb.input_ids, 0), req_pool_indices=fill(fb.req_pool_indices, 0),
-                        seq_lens=fill(fb.seq_lens, 1), out_cache_loc=fill(fb.out_cache_loc, 0),
-                        positions=fill(fb.positions, 0))
+    return pad_verify(fb, size, 1)
 
 
 def pad_verify(fb: ForwardBatch, size: int, width: int) -> PaddedDecode:
-    """A verify batch of `width` positions per request padded to `size` requests: padded rows
-    use row 0, positions 0..width-1, a sequence length of `width` and slot 0."""
+    """A batch of `width` positions per request (1: decode) padded to `size` requests: padded
+    rows use row 0, positions 0..width-1, a sequence length of `width` and slot 0."""
     pad = size - fb.batch_size
     dev = fb.input_ids.device
 
@@ -121,9 +112,12 @@ class CudaGraphRunner:
         for size in reversed(self.verify_ladder):
             self._capture(ForwardMode.TARGET_VERIFY, size)
 
+    def _width(self, mode: ForwardMode) -> int:
+        return self.verify_width if mode == ForwardMode.TARGET_VERIFY else 1
+
     def _fb(self, mode: ForwardMode, size: int) -> ForwardBatch:
         s, dev = self.static, self.static.input_ids.device
-        width = self.verify_width if mode == ForwardMode.TARGET_VERIFY else 1
+        width = self._width(mode)
         t = size * width
         fb = ForwardBatch(forward_mode=mode, batch_size=size, input_ids=s.input_ids[:t], seq_lens=s.seq_lens[:size],
                           out_cache_loc=s.out_cache_loc[:t], req_pool_indices=s.req_pool_indices[:size],
@@ -140,7 +134,7 @@ class CudaGraphRunner:
         model, attn, stream = self.runner.model, self.runner.attn_backend, self.stream
         fb = self._fb(mode, size)
         nothing = ForwardBatch(mode, 0, *(torch.empty(0, dtype=torch.int64) for _ in range(5)))
-        self._load(self._pad(mode, nothing, size))  # all rows inert: the warm-up reads only slot 0
+        self._load(pad_verify(nothing, size, self._width(mode)))  # all rows inert: the warm-up reads only slot 0
         fb.attn_metadata = attn.capture_metadata(fb)
         self.batches[mode, size] = fb
         stream.wait_stream(torch.cuda.current_stream())  # the inert rows' copies
@@ -153,9 +147,6 @@ class CudaGraphRunner:
             self.outputs[mode, size] = model.forward(fb, attn)
         self.pool = graph.pool()
         self.graphs[mode, size] = graph
-
-    def _pad(self, mode: ForwardMode, fb: ForwardBatch, size: int) -> PaddedDecode:
-        return pad_verify(fb, size, self.verify_width) if mode == ForwardMode.TARGET_VERIFY else pad_decode(fb, size)
 
     def _load(self, padded: PaddedDecode) -> None:
         for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "positions"):
@@ -175,9 +166,10 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         verify = fb.forward_mode == ForwardMode.TARGET_VERIFY
-        mode, width = (ForwardMode.TARGET_VERIFY, self.verify_width) if verify else (ForwardMode.DECODE, 1)
+        mode = ForwardMode.TARGET_VERIFY if verify else ForwardMode.DECODE
+        width = self._width(mode)
         size = padded_size(max(fb.batch_size, 1), self.verify_ladder if verify else self.ladder)
-        self._load(self._pad(mode, fb, size))
+        self._load(pad_verify(fb, size, width))
         captured = self.batches[mode, size]
         captured.seq_lens_cpu = (list(fb.seq_lens_cpu) + [width] * (size - fb.batch_size)
                                  if fb.seq_lens_cpu is not None else None)

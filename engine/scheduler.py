@@ -333,7 +333,7 @@ class Scheduler:
             return None, None
         width = self.model_runner.verify_graph_width(len(reqs))
         # The filler is freed again at once: it may take free slots only, never evict the cache.
-        if width is not None and (len(reqs) * width > self.cache.allocator.available_size()
+        if width is not None and (len(reqs) * width > self.cache.free_size()
                                   or any(r.kv_len + width > self.max_context_len for r in reqs)):
             width = None  # no room for the filler: eager, at each request's own width
         return drafts, width
