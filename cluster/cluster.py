@@ -428,6 +428,10 @@ class Cluster:
                                 if streamed and interval > 0:
                                     queue.quiet = True
                                     flush = loop.call_later(interval, queue.put_nowait, _FLUSH)
+                except ray.exceptions.TaskCancelledError:
+                    # Inside a Serve request the submit is a child task of the request, which Serve
+                    # cancels with it when the client goes away: the request was cancelled, not failed.
+                    raise asyncio.CancelledError from None
                 except ray.exceptions.RayError as e:  # the actor died, or its engine loop is dead
                     if not _engine_is_gone(e):  # this request's failure, not the engine's
                         log.error("request %s failed on engine %d", rid, idx, exc_info=e)
