@@ -244,7 +244,8 @@ class EngineActor:
         with self.engine.between_steps():  # no step mutates the tree meanwhile
             with self._kv_lock:
                 seq = self._kv_seq
-            return encode(KVSnapshot(self.incarnation, seq, self.engine.scheduler.cache.snapshot()))
+            return encode(KVSnapshot(self.incarnation, seq, self.engine.scheduler.cache.snapshot(),
+                                     self.engine.queued_prompts()))
 
     def debug_drop_kv_events(self, n: int) -> None:
         """Fault injection for tests: the next n KV events are lost (the reader sees a gap)."""

@@ -36,11 +36,13 @@ class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):
 
 
 class KVSnapshot(msgspec.Struct, frozen=True, array_like=True):
-    """Everything an engine's cache held after its event `seq`: its leaves' token paths."""
+    """Everything an engine's cache held after its event `seq`: its leaves' token paths, and
+    the prompts of its requests then (queued and not done)."""
 
     incarnation: str
     seq: int
     paths: list[list[int]]
+    queued: list[list[int]] = []
 
 
 _request_encoder = msgspec.msgpack.Encoder()

@@ -1,5 +1,6 @@
 """The routing index: what each engine's prefix cache holds, exactly, from the engines' own KV
-events (see engine.cache_manager.KVEvent), not from guesses about what was routed where.
+events (see engine.cache_manager.KVEvent), not from guesses about what was routed where; and
+the prompts of the requests each engine has queued or running, whichever front end sent them.
 
 Each engine numbers its events (per actor instance). The index applies them in order; a gap (an
 event lost, an engine restarted) marks the engine stale until a snapshot of its cache resyncs
@@ -95,14 +96,19 @@ class CachedPaths:
 
 
 class InFlightPrompts:
-    """Prompts routed to one engine and not finished yet (a counted token trie): their KV is
-    being computed there, so a request sharing their head should follow them before any event
-    says so."""
+    """Prompts of requests on one engine and not finished yet (a counted token trie): their KV
+    is being computed there, so a request sharing their head should follow them before any
+    "stored" event says so."""
 
     def __init__(self) -> None:
         self.root: dict[int, list] = {}  # token -> [count, children]
+        self.prompts = 0
+        self.tokens = 0  # of those prompts: the prefill work they stand for
 
     def add(self, tokens: list[int]) -> None:
+        """One more prompt (each add is paired with one discard of the same tokens)."""
+        self.prompts += 1
+        self.tokens += len(tokens)
         children = self.root
         for t in tokens:
             node = children.get(t)
@@ -112,6 +118,8 @@ class InFlightPrompts:
             children = node[1]
 
     def discard(self, tokens: list[int]) -> None:
+        self.prompts -= 1
+        self.tokens -= len(tokens)
         children = self.root
         for t in tokens:
             node = children.get(t)
@@ -134,12 +142,13 @@ class InFlightPrompts:
 
 
 class _EngineView:
-    __slots__ = ("incarnation", "next_seq", "paths", "stale")
+    __slots__ = ("incarnation", "next_seq", "paths", "queued", "stale")
 
     def __init__(self) -> None:
         self.incarnation: str | None = None
         self.next_seq = 1
         self.paths = CachedPaths()
+        self.queued = InFlightPrompts()  # every front end's requests there ("queued", not "done")
         self.stale = True  # nothing known until the first event from seq 1 or a snapshot
 
 
@@ -185,8 +194,12 @@ class KVIndex:
                 return False
             if event.kind == "stored":
                 view.paths.insert(event.token_ids)
-            else:
+            elif event.kind == "removed":
                 view.paths.remove(event.token_ids, event.start)
+            elif event.kind == "queued":
+                view.queued.add(event.token_ids)
+            else:
+                view.queued.discard(event.token_ids)
             view.next_seq = seq + 1
             self.events_applied[engine] += 1
         return True
@@ -197,6 +210,8 @@ class KVIndex:
         view.incarnation, view.next_seq, view.stale = snapshot.incarnation, snapshot.seq + 1, False
         for path in snapshot.paths:
             view.paths.insert(path)
+        for prompt in snapshot.queued:
+            view.queued.add(prompt)
         self.views[engine] = view
         self.resyncs[engine] += 1
 
@@ -210,8 +225,16 @@ class KVIndex:
         return 0 if view.stale else view.paths.match(tokens)
 
     def match_with_in_flight(self, engine: int, tokens: list[int]) -> int:
-        """Leading tokens the engine holds or is computing for a request in flight."""
-        return max(self.match(engine, tokens), self.in_flight[engine].match(tokens))
+        """Leading tokens the engine holds or is computing for a request in flight: one it
+        reported queued (from any front end), or one this router sent that it has not yet."""
+        view = self.views[engine]
+        queued = 0 if view.stale else view.queued.match(tokens)
+        return max(self.match(engine, tokens), queued, self.in_flight[engine].match(tokens))
+
+    def queued_tokens(self, engine: int) -> int:
+        """Prompt tokens of the requests the engine reported queued or running (every front end's)."""
+        view = self.views[engine]
+        return 0 if view.stale else view.queued.tokens
 
     def stats(self) -> KVIndexStats:
         return KVIndexStats(events_applied=list(self.events_applied), resyncs=list(self.resyncs),

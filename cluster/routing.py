@@ -172,16 +172,21 @@ class CacheAware:
 @dataclass
 class KVEvents:
     """Exact prefix routing: the cheapest engine, by prefill_weight x uncached prompt tokens
-    (from the engines' own KV events) + load_weight x tokens in flight (prompt + max output)."""
+    (from the engines' own KV events) + load_weight x tokens in flight there: this router's
+    (prompt + max output) or, when more, the prompts of every front end's requests the engine
+    reports queued or running."""
 
     prefill_weight: float = 1.0
     load_weight: float = 0.1
 
     def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
+        index = router.kv_index
+
         def cost(i: int) -> tuple[float, int, int]:
-            uncached = len(input_ids) - router.kv_index.match_with_in_flight(i, input_ids)
+            uncached = len(input_ids) - index.match_with_in_flight(i, input_ids)
             load = router.loads[i]
-            return self.prefill_weight * uncached + self.load_weight * load.tokens, load.requests, i
+            tokens = max(load.tokens, index.queued_tokens(i))
+            return self.prefill_weight * uncached + self.load_weight * tokens, load.requests, i
 
         return min(candidates, key=cost)
 

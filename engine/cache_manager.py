@@ -26,9 +26,12 @@ class OutOfKVError(RuntimeError):
 
 class KVEvent(msgspec.Struct, frozen=True, array_like=True):
     """The prefix cache now holds ("stored") or no longer holds ("removed") the KV of
-    `token_ids[start:]`, whose parent path `token_ids[:start]` it holds (and keeps)."""
+    `token_ids[start:]`, whose parent path `token_ids[:start]` it holds (and keeps); or a
+    request whose prompt is `token_ids` arrived ("queued": its KV is being computed here, and
+    will be stored) or ended ("done"). Queued prompts let every router follow a prefix to the
+    engine computing it while the request still waits there, before any "stored" event."""
 
-    kind: Literal["stored", "removed"]
+    kind: Literal["stored", "removed", "queued", "done"]
     token_ids: list[int]
     start: int = 0
 
@@ -209,6 +212,11 @@ class CacheManager:
         """callback(KVEvent) on the step thread for every store and eviction from now on."""
         self._subscribers.append(callback)
         self.tree.on_event = self._publish  # paths are computed only once someone listens
+
+    def publish(self, kind: str, token_ids: list[int], start: int = 0) -> None:
+        """Send an event to the subscribers (none: nothing is built)."""
+        if self._subscribers:
+            self._publish(kind, token_ids, start)
 
     def _publish(self, kind: str, token_ids: list[int], start: int) -> None:
         event = KVEvent(kind, token_ids, start)

@@ -204,6 +204,7 @@ class Engine:
                     item.sink(self._error_delta(item.req, "aborted before it started", "aborted"))
                     continue
                 self._trackers[rid] = item
+                self.scheduler.cache.publish("queued", item.req.origin_input_ids)
                 self.scheduler.add_request(item.req)
             elif item[0] in self.scheduler.reqs:
                 self.scheduler.abort_request(*item)
@@ -258,6 +259,7 @@ class Engine:
                 continue
             if isinstance(delta, Exception) or delta.finish_reason is not None:
                 self._trackers.pop(req.rid, None)
+                self.scheduler.cache.publish("done", req.origin_input_ids)
             out.append((tr, delta))
         return out
 
@@ -414,6 +416,11 @@ class Engine:
         """Hold the step lock: no step runs (nor mutates the scheduler or the cache) inside."""
         with self._step_lock:
             yield
+
+    def queued_prompts(self) -> list[list[int]]:
+        """The prompts of the requests queued or running here (call between steps): what a KV
+        snapshot adds to the cache's paths, as the "queued" events not yet "done"."""
+        return [tr.req.origin_input_ids for tr in self._trackers.values()]
 
     def check_memory(self) -> None:
         """Raise MemoryInvariantError unless the idle invariant holds (call when no work is left)."""

@@ -105,3 +105,26 @@ def test_in_flight_prompts_are_counted():
     assert flight.match([1, 2, 3]) == 2 and flight.match([1, 2, 4]) == 3
     flight.discard([1, 2, 4])
     assert flight.match([1, 2, 4]) == 0 and flight.root == {}
+
+
+def test_queued_prompts_count_from_any_front_end_until_done():
+    """An engine reports each request's prompt when it queues it and when it ends: every router
+    follows the prefix there before the prefill stores it, whoever sent the request."""
+    router = Router("kv_events", 2)
+    prompt = list(range(1, 51))
+    assert router.kv_index.apply(1, _batch(1, KVEvent("queued", prompt), KVEvent("queued", prompt)))
+    assert router.kv_index.match(1, prompt) == 0  # nothing stored yet
+    assert router.kv_index.match_with_in_flight(1, prompt) == 50 and router.kv_index.queued_tokens(1) == 100
+    assert router.pick(prompt[:40] + [99], cost=41) == 1
+    # Another front end's load counts too: 0.1 x 600 queued tokens there outweigh 10 to prefill.
+    router.kv_index.apply(1, _batch(3, *[KVEvent("queued", [7] * 100)] * 5))
+    assert router.pick(prompt[:40] + [98], cost=41) == 0
+    router.done(0, 41, prompt[:40] + [98])
+    router.kv_index.apply(1, _batch(8, *[KVEvent("done", [7] * 100)] * 5))
+    router.kv_index.apply(1, _batch(13, KVEvent("stored", prompt), KVEvent("done", prompt), KVEvent("done", prompt)))
+    assert router.kv_index.views[1].queued.root == {} and router.kv_index.match_with_in_flight(1, prompt) == 50
+    # A snapshot carries the requests there at its seq; a stale engine's queue counts for nothing.
+    router.kv_index.reset(0, KVSnapshot("b", 9, [], queued=[prompt[:20]]))
+    assert router.kv_index.match_with_in_flight(0, prompt) == 20
+    assert not router.kv_index.apply(0, _batch(11, KVEvent("done", prompt[:20]), incarnation="b"))  # a gap
+    assert router.kv_index.match_with_in_flight(0, prompt) == 0

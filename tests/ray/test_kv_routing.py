@@ -1,6 +1,7 @@
 """Exact routing on the engines' KV events, on a real Ray cluster (CPU, random-weight model):
 requests sharing a prefix follow the engine that holds it; once that engine evicts the prefix
-the router knows it; a KV event lost on purpose makes the router resync from a snapshot."""
+the router knows it; a KV event lost on purpose makes the router resync from a snapshot; a
+request another front end sent is followed while it is still queued."""
 
 from __future__ import annotations
 
@@ -85,3 +86,26 @@ def _on_engine(cl: Cluster, engine: int, ids: list[int]) -> None:
     payload = encode(GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, sampling_params=SHORT))
     for ref in cl.actors[engine].generate.remote(payload):
         ray.get(ref)
+
+
+def test_a_request_from_another_front_end_is_followed_while_queued(ray_local, model_dirs):
+    """A request this router did not send (another front end's) is in the index from the moment
+    its engine queues it until it ends, so a request sharing its prompt follows it there before
+    its prefill stores anything; after the end, only what the cache stored counts."""
+    cfg = ClusterConfig(model_path=model_dirs["llama"], num_engines=2, routing="kv_events",
+                        engine={"max_total_tokens": 600})
+    with Cluster(cfg) as cl:
+        prompt = [9] * 100 + [1, 2, 3]
+        payload = encode(GenerateRequest(rid=uuid.uuid4().hex, input_ids=prompt,
+                                         sampling_params=SamplingParams(max_new_tokens=300, temperature=0.0,
+                                                                        ignore_eos=True)))
+        stream = cl.actors[1].generate.remote(payload)
+        ray.get(next(stream))  # its first token: queued, prefilled, running
+        with cl._lock:
+            assert cl.router.kv_index.views[1].queued.match(prompt) == len(prompt)
+        assert cl.generate(input_ids=prompt[:100] + [4], sampling_params=SHORT).finish_reason == "length"
+        assert cl.stats().routing.decisions == [0, 1]
+        for ref in stream:
+            ray.get(ref)
+        wait_for(lambda: cl.router.kv_index.views[1].queued.root == {}, "the done event")
+        cl.check_memory()
