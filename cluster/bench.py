@@ -4,14 +4,18 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
   scale     the engine bench's mixed workload: 2 engines vs 1 engine (output tokens/s).
   routing   multi-tenant shared prefixes (8 x 512-token prefixes, 64 requests), engines whose KV
             holds about half of the prefixes: cache_aware vs round_robin (total tokens/s, hit rates).
-  churn     routing under KV churn: 16 tenants' 384-token prefixes (Zipf popularity), 96 requests,
-            16 in flight, 2 engines deployed as Serve replicas whose KV holds about 3 prefixes
-            each, so they keep evicting; the requests are dealt to M front ends (`--frontends`,
-            default 2: Clusters following the fleet, as the HTTP app's replicas do): kv_events (exact, from the engines' KV
-            events) vs cache_aware (each front end's approximate tree) vs round_robin, and Ray
-            Serve's PrefixCacheAffinityRouter over the same engines (EngineServer's per-request
-            handle path; it matches prefixes on a text with one character per token): the
-            engines' actual hit rate, throughput, TTFT p50/p90.
+  churn     routing under KV churn: 24 tenants' 768-token documents (Zipf popularity), each request
+            one of them + a 32-token question, 16 output tokens (prefill-heavy, as RAG and long
+            system prompts are); 192 requests, 16 in flight, 2 engines deployed as Serve replicas
+            whose KV holds 6 documents each, so they keep evicting; the requests are dealt to M
+            front ends (`--frontends`, default 2,8: Clusters following the fleet, as the HTTP
+            app's replicas do): kv_events (exact, from the engines' KV events) vs cache_aware
+            (each front end's approximate tree) vs round_robin, and Ray Serve's
+            PrefixCacheAffinityRouter over the same engines (EngineServer's per-request handle
+            path; it matches prefixes on a text with one character per token): the engines'
+            actual hit rate, throughput, TTFT p50/p90; and the hit rate no router can pass on
+            this request order with the engines' combined KV (Belady's optimal eviction), and
+            that of one LRU cache of that size.
   http      the same requests streamed through Ray Serve's HTTP app vs the Cluster in Python:
             throughput and time to first visible text (median, p99).
   frontend  stories260K (or the bench model without ../shared), one engine, 32 streams x 256 tokens,
@@ -42,12 +46,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -83,13 +89,40 @@ def tenant_workload(scale: float) -> tuple[list[list[int]], list[int]]:
     return prompts, [16] * n
 
 
-def churn_workload(scale: float) -> tuple[list[list[int]], list[int]]:
+CHURN_DOCUMENTS_PER_ENGINE = 6  # each engine's KV, in tenant documents (+ a question each)
+
+
+def churn_workload(scale: float) -> tuple[list[list[int]], list[int], list[int]]:
+    """Prompts, output lengths, and each prompt's tenant."""
     rng = random.Random(5)
-    tenants, plen, n = 16, max(64, int(384 * scale)), max(24, int(96 * scale))
+    tenants, plen, n = 24, max(64, int(768 * scale)), max(24, int(192 * scale))
     prefixes = random_prompts(tenants, plen, plen, BENCH_ARCH["vocab_size"], rng)
     order = rng.choices(range(tenants), weights=[1 / (k + 1) for k in range(tenants)], k=n)
-    prompts = [prefixes[t] + random_prompts(1, 16, 16, BENCH_ARCH["vocab_size"], rng)[0] for t in order]
-    return prompts, [64] * n
+    prompts = [prefixes[t] + random_prompts(1, 32, 32, BENCH_ARCH["vocab_size"], rng)[0] for t in order]
+    return prompts, [16] * n, order
+
+
+def hit_rate_ceilings(order: list[int], prefix_len: int, prompt_tokens: int, slots: int) -> tuple[float, float]:
+    """Prompt-token hit rates of one cache holding `slots` tenant prefixes, fed the requests in
+    order: with Belady's optimal eviction (no routing over caches of that combined size does
+    better) and with LRU (what engines evicting LRU approach when no prefix sits on two)."""
+    following, seen = [len(order)] * len(order), {}  # the next request of the same tenant
+    for i in range(len(order) - 1, -1, -1):
+        following[i], seen[order[i]] = seen.get(order[i], len(order)), i
+
+    def hits(evict_optimal: bool) -> int:
+        cache: dict[int, int] = {}  # tenant -> its latest request so far
+        count = 0
+        for i, t in enumerate(order):
+            if t in cache:
+                count += 1
+            elif len(cache) >= slots:  # optimal: the prefix needed again last; LRU: used least recently
+                victim = max(cache, key=lambda u: following[cache[u]]) if evict_optimal else min(cache, key=cache.get)
+                del cache[victim]
+            cache[t] = i
+        return count
+
+    return hits(True) * prefix_len / prompt_tokens, hits(False) * prefix_len / prompt_tokens
 
 
 def run_cluster(cfg: ClusterConfig, prompts: list[list[int]], outs: list[int]) -> tuple[float, ClusterStats]:
@@ -134,29 +167,34 @@ def case_routing(path: str, scale: float) -> None:
           f"round_robin={hits['round_robin']:.0%} (floor 1.5x)", flush=True)
 
 
-def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2,)) -> None:
-    prompts, outs = churn_workload(scale)
-    pool = int(len(prompts[0]) * 3.5)
+def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rate: float | None = None) -> None:
+    prompts, outs, order = churn_workload(scale)
+    arrivals = poisson_arrivals(rate, len(prompts)) if rate else None
+    pacing = f"open loop, {rate:g} req/s" if rate else "16 in flight"
+    pool = len(prompts[0]) * CHURN_DOCUMENTS_PER_ENGINE
     total = sum(len(p) for p in prompts) + sum(outs)
+    prefix_len = len(prompts[0]) - 32
+    optimal, lru = hit_rate_ceilings(order, prefix_len, sum(len(p) for p in prompts), 2 * pool // prefix_len)
     in_flight = 16
     # Imported from where it lives: its public alias, ray.serve.llm, needs vLLM or SGLang installed.
     router = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
-    dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight, router)
+    dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight, router, arrivals)
     serve_router = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
     for m in frontends:
         results = {}
         for policy in ("kv_events", "cache_aware", "round_robin"):
-            dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, m)
+            dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, m, arrivals)
             results[policy] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
         results["serve_prefix_affinity"] = serve_router  # (one Serve handle: its router sees everything)
         line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
                          for p, r in results.items())
         exact = results["kv_events"]
         best = min((results["cache_aware"], results["serve_prefix_affinity"]), key=lambda r: r[3])
-        print(f"churn      {m} front ends: {line}  |  hit kv_events - cache_aware = "
+        print(f"churn      {m} front ends, {pacing}: {line}  |  hit kv_events - cache_aware = "
               f"{100 * (exact[1] - results['cache_aware'][1]):+.0f} points, - serve_prefix_affinity = "
               f"{100 * (exact[1] - results['serve_prefix_affinity'][1]):+.0f} points (floor +10)  "
-              f"ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)", flush=True)
+              f"ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)  |  "
+              f"any router's hit rate <= {optimal:.0%} (optimal eviction), one LRU cache: {lru:.0%}", flush=True)
 
 
 def _deploy_engines(path: str, pool: int, app: str, router_class: str | None = None) -> tuple[Any, list]:
@@ -188,37 +226,41 @@ def _engine_hit_rate(engines: list) -> float:
 
 
 def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], in_flight: int, policy: str,
-               frontends: int) -> tuple[float, list[float], float]:
+               frontends: int, arrivals: list[float] | None = None,
+               routing_options: dict[str, float] | None = None) -> tuple[float, list[float], float]:
     """The workload through `frontends` front ends (Clusters following one engine fleet, as the
     HTTP app's replicas do), requests dealt to them in turn: wall time, TTFTs, the engines'
-    actual hit rate."""
+    actual hit rate. Closed loop (in_flight at once), or open loop: request i sent at
+    arrivals[i] seconds, its TTFT counted from then."""
     from ray import serve
 
     fleet, engines = _deploy_engines(path, pool, "bench-fleet")
-    cfg = ClusterConfig(model_path=path, routing=policy, stream_interval_s=0.0)
+    cfg = ClusterConfig(model_path=path, routing=policy, routing_options=routing_options or {}, stream_interval_s=0.0)
     fronts = [Cluster(cfg, fleet=fleet) for _ in range(frontends)]
     try:
         for cl in fronts:
             while len(cl.healthy()) < 2:
                 time.sleep(0.1)
 
-        async def part(cl: Cluster, share: list[tuple[list[int], int]]) -> list[float]:
-            gate = asyncio.Semaphore(max(1, in_flight // frontends))
+        async def part(cl: Cluster, share: list[tuple[list[int], int, float]], start: float) -> list[float]:
+            gate = _Gate(max(1, in_flight // frontends), start, arrivals is not None)
 
-            async def one(ids: list[int], n: int) -> float:
-                async with gate:
-                    t0, first = time.perf_counter(), None
+            async def one(ids: list[int], n: int, at: float) -> float:
+                async with gate.slot(at) as t0:
+                    first, got = None, 0
                     params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
                     async for d in cl.stream_ids(ids, params):
+                        got += len(d.token_ids)
                         if first is None and d.token_ids:
                             first = time.perf_counter() - t0
+                    assert got == n, "a request skipped work"
                     return first
 
-            return list(await asyncio.gather(*(one(ids, n) for ids, n in share)))
+            return list(await asyncio.gather(*(one(*w) for w in share)))
 
-        work = list(zip(prompts, outs))
+        work = list(zip(prompts, outs, arrivals or [0.0] * len(prompts)))
         t0 = time.perf_counter()
-        futures = [asyncio.run_coroutine_threadsafe(part(cl, work[i::frontends]), cl._loop)
+        futures = [asyncio.run_coroutine_threadsafe(part(cl, work[i::frontends], t0), cl._loop)
                    for i, cl in enumerate(fronts)]
         ttfts = [t for f in futures for t in f.result()]
         dt = time.perf_counter() - t0
@@ -240,10 +282,38 @@ def _serve_base() -> str:
     return f"http://127.0.0.1:{port}"
 
 
+class _Gate:
+    """A bench client's pacing: closed loop (at most `width` requests at once) or open loop
+    (each request at its arrival time, `start` + at). `slot(at)` yields when the request's
+    clock starts."""
+
+    def __init__(self, width: int, start: float, open_loop: bool) -> None:
+        self.semaphore, self.start, self.open_loop = asyncio.Semaphore(width), start, open_loop
+
+    @contextlib.asynccontextmanager
+    async def slot(self, at: float) -> AsyncIterator[float]:
+        if self.open_loop:
+            await asyncio.sleep(max(0.0, self.start + at - time.perf_counter()))
+            yield self.start + at
+            return
+        async with self.semaphore:
+            yield time.perf_counter()
+
+
+def poisson_arrivals(rate: float, n: int, seed: int = 7) -> list[float]:
+    """Arrival times (s) of n requests at `rate` per second, exponential gaps."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], in_flight: int,
-                      router_class: str) -> tuple[float, list[float], float]:
+                      router_class: str, arrivals: list[float] | None = None) -> tuple[float, list[float], float]:
     """The churn workload through Serve's handle path with one of Serve's request routers: two
-    EngineServer replicas (engines as in engine_cfg), one stream per request."""
+    EngineServer replicas (engines as in engine_cfg), one stream per request; paced as in
+    _fleet_run."""
     from ray import serve
 
     from actors.protocol import decode_delta
@@ -253,13 +323,13 @@ def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list
     handle = serve.get_deployment_handle("EngineServer", "bench-router")
 
     async def run() -> tuple[float, list[float]]:
-        gate = asyncio.Semaphore(in_flight)
+        gate = _Gate(in_flight, time.perf_counter(), arrivals is not None)
 
-        async def one(ids: list[int], n: int) -> float:
-            async with gate:
+        async def one(ids: list[int], n: int, at: float) -> float:
+            async with gate.slot(at) as t0:
                 call = GenerateCall(rid=os.urandom(8).hex(), input_ids=ids, prompt="".join(chr(0x100 + t) for t in ids),
                                     sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-                t0, first, got = time.perf_counter(), None, 0
+                first, got = None, 0
                 async for item in handle.options(stream=True).generate.remote(call):
                     d = decode_delta(item)
                     got += len(d.token_ids)
@@ -268,9 +338,8 @@ def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list
                 assert got == n, "a request skipped work"
                 return first
 
-        t0 = time.perf_counter()
-        ttfts = await asyncio.gather(*(one(p, n) for p, n in zip(prompts, outs)))
-        return time.perf_counter() - t0, list(ttfts)
+        ttfts = await asyncio.gather(*(one(*w) for w in zip(prompts, outs, arrivals or [0.0] * len(prompts))))
+        return time.perf_counter() - gate.start, list(ttfts)
 
     dt, ttfts = asyncio.run(run())
     hit = _engine_hit_rate(engines)
@@ -782,7 +851,9 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="scale,routing,churn,http,dp,moe,batch", help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--frontends", default="2", help="churn: comma list of front-end counts to run the policies with")
+    ap.add_argument("--frontends", default="2,8", help="churn: comma list of front-end counts to run the policies with")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="churn: open loop, requests arriving at this rate (Poisson, per second); default: closed loop")
     ap.add_argument("--ingress", default="proxy,direct,haproxy",
                     help="frontend: the ingress modes to compare, in this order (deploy/ingress.py)")
     ap.add_argument("--stream-interval-s", type=float, default=None,
@@ -812,7 +883,7 @@ def main(argv: list[str] | None = None) -> None:
         if not ray.is_initialized():
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
         if name == "churn":
-            case_churn(path, scale, frontends=tuple(int(m) for m in args.frontends.split(",")))
+            case_churn(path, scale, frontends=tuple(int(m) for m in args.frontends.split(",")), rate=args.rate)
             continue
         CASES[name](path, scale)
     if ray.is_initialized():
