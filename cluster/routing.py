@@ -1,8 +1,9 @@
 """Routing policies: which engine gets a (tokenized) request.
 
-`kv_events` routes on what each engine's cache holds, exactly (cluster/kv_index.py, fed by the
-engines' KV events): each engine costs prefill_weight x the prompt tokens it would compute plus
-load_weight x the tokens in flight on it, and the cheapest wins (Dynamo's KV router cost).
+`kv_events` routes on what each engine's cache holds and what its queued requests will store,
+exactly (cluster/kv_index.py, fed by the engines' KV events, the same for every front end): each
+engine costs prefill_weight x the prompt tokens it would compute plus load_weight x the tokens
+in flight on it, and the cheapest wins (Dynamo's KV router cost).
 `cache_aware` keeps, per engine, an approximate radix tree of the prompts it was sent (token
 level), trimmed LRU to the engine's KV capacity and corrected by the engines' eviction events;
 a request goes to the engine with the longest match unless the load is imbalanced beyond a
