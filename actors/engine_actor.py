@@ -225,8 +225,9 @@ class EngineActor:
                 stream.add(self._kv_seq, event)
 
     async def kv_events(self, consumer: str = ""):
-        """The engine's KV events (what its prefix cache stores and evicts), numbered, batched:
-        one KVEventBatch per wake-up. A reader resyncs with kv_snapshot() after any gap."""
+        """The engine's KV events (what its prefix cache stores and evicts, and the prompt of
+        each request it queues and ends), numbered, batched: one KVEventBatch per wake-up. A
+        reader resyncs with kv_snapshot() after any gap."""
         self._loop = self._loop or asyncio.get_running_loop()
         with self._kv_lock:
             stream = self._kv_streams[consumer] = _KVStream(_Channel(self._loop))
@@ -240,7 +241,8 @@ class EngineActor:
                     del self._kv_streams[consumer]
 
     def kv_snapshot(self) -> bytes:
-        """Everything the cache holds now and the seq of the last event it reflects."""
+        """Everything the cache holds now, the prompts of the requests here, and the seq of the
+        last event they reflect."""
         with self.engine.between_steps():  # no step mutates the tree meanwhile
             with self._kv_lock:
                 seq = self._kv_seq

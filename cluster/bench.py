@@ -14,8 +14,8 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             PrefixCacheAffinityRouter over the same engines (EngineServer's per-request handle
             path; it matches prefixes on a text with one character per token): the engines'
             actual hit rate, throughput, TTFT p50/p90; and the hit rate no router can pass on
-            this request order with the engines' combined KV (Belady's optimal eviction), and
-            that of one LRU cache of that size.
+            this request order with the engines' combined KV (Belady's optimal eviction over
+            whole documents), and that of one LRU cache of that size.
   http      the same requests streamed through Ray Serve's HTTP app vs the Cluster in Python:
             throughput and time to first visible text (median, p99).
   frontend  stories260K (or the bench model without ../shared), one engine, 32 streams x 256 tokens,
@@ -90,6 +90,7 @@ def tenant_workload(scale: float) -> tuple[list[list[int]], list[int]]:
 
 
 CHURN_DOCUMENTS_PER_ENGINE = 6  # each engine's KV, in tenant documents (+ a question each)
+CHURN_QUESTION_TOKENS = 32
 
 
 def churn_workload(scale: float) -> tuple[list[list[int]], list[int], list[int]]:
@@ -98,15 +99,18 @@ def churn_workload(scale: float) -> tuple[list[list[int]], list[int], list[int]]
     tenants, plen, n = 24, max(64, int(768 * scale)), max(24, int(192 * scale))
     prefixes = random_prompts(tenants, plen, plen, BENCH_ARCH["vocab_size"], rng)
     order = rng.choices(range(tenants), weights=[1 / (k + 1) for k in range(tenants)], k=n)
-    prompts = [prefixes[t] + random_prompts(1, 32, 32, BENCH_ARCH["vocab_size"], rng)[0] for t in order]
+    q = CHURN_QUESTION_TOKENS
+    prompts = [prefixes[t] + random_prompts(1, q, q, BENCH_ARCH["vocab_size"], rng)[0] for t in order]
     return prompts, [16] * n, order
 
 
 def hit_rate_ceilings(order: list[int], prefix_len: int, prompt_tokens: int, slots: int) -> tuple[float, float]:
-    """Prompt-token hit rates of one cache holding `slots` tenant prefixes, fed the requests in
-    order: with Belady's optimal eviction (no routing over caches of that combined size does
-    better) and with LRU (what engines evicting LRU approach when no prefix sits on two)."""
-    following, seen = [len(order)] * len(order), {}  # the next request of the same tenant
+    """Prompt-token hit rates of one cache holding `slots` whole tenant prefixes, fed the
+    requests in order: with Belady's optimal eviction (an upper bound for any routing over
+    engines whose combined KV holds at most `slots` prefixes) and with LRU (what engines
+    evicting LRU approach when no prefix is held twice and nothing else takes KV)."""
+    following = [len(order)] * len(order)  # the next request of the same tenant
+    seen: dict[int, int] = {}
     for i in range(len(order) - 1, -1, -1):
         following[i], seen[order[i]] = seen.get(order[i], len(order)), i
 
@@ -173,8 +177,9 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
     pacing = f"open loop, {rate:g} req/s" if rate else "16 in flight"
     pool = len(prompts[0]) * CHURN_DOCUMENTS_PER_ENGINE
     total = sum(len(p) for p in prompts) + sum(outs)
-    prefix_len = len(prompts[0]) - 32
-    optimal, lru = hit_rate_ceilings(order, prefix_len, sum(len(p) for p in prompts), 2 * pool // prefix_len)
+    prefix_len = len(prompts[0]) - CHURN_QUESTION_TOKENS
+    slots = -(-2 * pool // prefix_len)  # a part of a prefix counts whole: still a bound
+    optimal, lru = hit_rate_ceilings(order, prefix_len, sum(len(p) for p in prompts), slots)
     in_flight = 16
     # Imported from where it lives: its public alias, ray.serve.llm, needs vLLM or SGLang installed.
     router = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
@@ -226,8 +231,7 @@ def _engine_hit_rate(engines: list) -> float:
 
 
 def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], in_flight: int, policy: str,
-               frontends: int, arrivals: list[float] | None = None,
-               routing_options: dict[str, float] | None = None) -> tuple[float, list[float], float]:
+               frontends: int, arrivals: list[float] | None = None) -> tuple[float, list[float], float]:
     """The workload through `frontends` front ends (Clusters following one engine fleet, as the
     HTTP app's replicas do), requests dealt to them in turn: wall time, TTFTs, the engines'
     actual hit rate. Closed loop (in_flight at once), or open loop: request i sent at
@@ -235,7 +239,7 @@ def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], 
     from ray import serve
 
     fleet, engines = _deploy_engines(path, pool, "bench-fleet")
-    cfg = ClusterConfig(model_path=path, routing=policy, routing_options=routing_options or {}, stream_interval_s=0.0)
+    cfg = ClusterConfig(model_path=path, routing=policy, stream_interval_s=0.0)
     fronts = [Cluster(cfg, fleet=fleet) for _ in range(frontends)]
     try:
         for cl in fronts:

@@ -430,8 +430,10 @@ class Cluster:
                                     flush = loop.call_later(interval, queue.put_nowait, _FLUSH)
                 except ray.exceptions.TaskCancelledError:
                     # Inside a Serve request the submit is a child task of the request, which Serve
-                    # cancels with it when the client goes away: the request was cancelled, not failed.
-                    raise asyncio.CancelledError from None
+                    # cancels with it when the client goes away: the request was cancelled, not failed
+                    # (an explicit end: our own task's cancellation may come later, or not at all).
+                    yield _error(rid, "request cancelled", "aborted", len(input_ids))
+                    return
                 except ray.exceptions.RayError as e:  # the actor died, or its engine loop is dead
                     if not _engine_is_gone(e):  # this request's failure, not the engine's
                         log.error("request %s failed on engine %d", rid, idx, exc_info=e)

@@ -173,9 +173,10 @@ class CacheAware:
 @dataclass
 class KVEvents:
     """Exact prefix routing: the cheapest engine, by prefill_weight x uncached prompt tokens
-    (from the engines' own KV events) + load_weight x tokens in flight there: this router's
-    (prompt + max output) or, when more, the prompts of every front end's requests the engine
-    reports queued or running."""
+    (from the engines' own KV events) + load_weight x tokens in flight there: the larger of
+    this router's (prompt + max output of the requests it sent there) and the prompt tokens of
+    every front end's requests the engine reports queued or running (a lower bound of its load
+    that this router's own count misses)."""
 
     prefill_weight: float = 1.0
     load_weight: float = 0.1

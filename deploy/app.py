@@ -543,7 +543,7 @@ class OpenAIServer:
             raise
         finally:
             watch.close()
-        if watch.gone:  # the client left as the last delta came (its stream may end in an error)
+        if watch.absorb():  # the client left as the last delta came (its stream may end in an error)
             self._client_left(rid, len(choices))
             return Response(status_code=499)
         finals = [c[-1] for c in per_choice]

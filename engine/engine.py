@@ -256,12 +256,18 @@ class Engine:
             except Exception as e:  # this request's output is broken: it alone ends
                 delta = e
             if delta is None:
+                if tr.failed and req.finished():  # its end went out when its output failed
+                    self._untrack(req)
                 continue
             if isinstance(delta, Exception) or delta.finish_reason is not None:
-                self._trackers.pop(req.rid, None)
-                self.scheduler.cache.publish("done", req.origin_input_ids)
+                self._untrack(req)
             out.append((tr, delta))
         return out
+
+    def _untrack(self, req: Req) -> None:
+        """The request ended here (under the step lock): its tracker goes, its "queued" is done."""
+        self._trackers.pop(req.rid, None)
+        self.scheduler.cache.publish("done", req.origin_input_ids)
 
     def _new_delta(self, req: Req, tr: _Tracker) -> StreamDelta | None:
         new = req.output_ids[tr.sent_tokens:]

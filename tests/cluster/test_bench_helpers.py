@@ -45,4 +45,4 @@ def test_open_loop_sends_each_request_at_its_arrival():
     began = time.perf_counter()
     clocks, sent = zip(*asyncio.run(run()))
     assert list(clocks) == pytest.approx(arrivals) and all(s > a - 1e-3 for s, a in zip(sent, arrivals))
-    assert time.perf_counter() - began < 0.6  # they overlap: one at a time would take 1 s
+    assert time.perf_counter() - began < 0.9  # they overlap: one at a time would take over 1 s

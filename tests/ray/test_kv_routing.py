@@ -90,22 +90,30 @@ def _on_engine(cl: Cluster, engine: int, ids: list[int]) -> None:
 
 def test_a_request_from_another_front_end_is_followed_while_queued(ray_local, model_dirs):
     """A request this router did not send (another front end's) is in the index from the moment
-    its engine queues it until it ends, so a request sharing its prompt follows it there before
-    its prefill stores anything; after the end, only what the cache stored counts."""
+    its engine queues it until it ends: while it still waits there (nothing of it stored yet),
+    a request sharing its prompt is routed to it; after its end, only what the cache stored
+    counts."""
+    # A light load weight: the 2,103 prompt tokens queued on engine 1 cost 42, its prefix saves 100.
     cfg = ClusterConfig(model_path=model_dirs["llama"], num_engines=2, routing="kv_events",
-                        engine={"max_total_tokens": 600})
+                        routing_options={"load_weight": 0.02}, engine={"max_total_tokens": 600})
     with Cluster(cfg) as cl:
+        def direct(ids: list[int], max_new_tokens: int):
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+            payload = encode(GenerateRequest(rid=uuid.uuid4().hex, input_ids=ids, sampling_params=params))
+            return cl.actors[1].generate.remote(payload)
+
+        # Each blocker takes nearly all of engine 1's KV: they run one at a time, first come
+        # first served, and the prompt queued behind them waits for all of them.
+        streams = [direct([5 + k] * 500, 90) for k in range(4)]
         prompt = [9] * 100 + [1, 2, 3]
-        payload = encode(GenerateRequest(rid=uuid.uuid4().hex, input_ids=prompt,
-                                         sampling_params=SamplingParams(max_new_tokens=300, temperature=0.0,
-                                                                        ignore_eos=True)))
-        stream = cl.actors[1].generate.remote(payload)
-        ray.get(next(stream))  # its first token: queued, prefilled, running
-        with cl._lock:
-            assert cl.router.kv_index.views[1].queued.match(prompt) == len(prompt)
-        assert cl.generate(input_ids=prompt[:100] + [4], sampling_params=SHORT).finish_reason == "length"
-        assert cl.stats().routing.decisions == [0, 1]
-        for ref in stream:
-            ray.get(ref)
-        wait_for(lambda: cl.router.kv_index.views[1].queued.root == {}, "the done event")
+        streams.append(direct(prompt, 4))
+        wait_for(lambda: cl.router.kv_index.views[1].queued.match(prompt) == len(prompt), "its queued event")
+        with cl._lock:  # engine 1 holds none of it and is the busier engine: the queued prompt decides
+            assert cl.router.kv_index.match(1, prompt) == 0
+            assert cl.router.policy.choose(cl.router, prompt[:100] + [4], [0, 1]) == 1
+        for stream in streams:
+            for ref in stream:
+                ray.get(ref)
+        wait_for(lambda: cl.router.kv_index.views[1].queued.root == {}, "the done events")
+        wait_for(lambda: cl.router.kv_index.match(1, prompt) == len(prompt), "the stored event")
         cl.check_memory()
