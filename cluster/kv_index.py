@@ -102,12 +102,10 @@ class InFlightPrompts:
 
     def __init__(self) -> None:
         self.root: dict[int, list] = {}  # token -> [count, children]
-        self.prompts = 0
-        self.tokens = 0  # of those prompts: the prefill work they stand for
+        self.tokens = 0  # of those prompts (waiting or already running: a load signal, not work left)
 
     def add(self, tokens: list[int]) -> None:
         """One more prompt (each add is paired with one discard of the same tokens)."""
-        self.prompts += 1
         self.tokens += len(tokens)
         children = self.root
         for t in tokens:
@@ -118,7 +116,6 @@ class InFlightPrompts:
             children = node[1]
 
     def discard(self, tokens: list[int]) -> None:
-        self.prompts -= 1
         self.tokens -= len(tokens)
         children = self.root
         for t in tokens:
@@ -226,7 +223,8 @@ class KVIndex:
 
     def match_with_in_flight(self, engine: int, tokens: list[int]) -> int:
         """Leading tokens the engine holds or is computing for a request in flight: one it
-        reported queued (from any front end), or one this router sent that it has not yet."""
+        reported queued (from any front end), or one this router sent there and that has not
+        ended (the engine's report of it may not have arrived yet)."""
         view = self.views[engine]
         queued = 0 if view.stale else view.queued.match(tokens)
         return max(self.match(engine, tokens), queued, self.in_flight[engine].match(tokens))
