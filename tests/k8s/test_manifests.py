@@ -102,3 +102,18 @@ def test_rayjob_entrypoint_parses_with_batch_cli():
     args = build_parser().parse_args(argv[4:])
     assert args.input == "/data/prompts" and args.output == "/data/results" and args.num_engines == 2
     assert doc["spec"]["shutdownAfterJobFinishes"] is True
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_ray_token_auth_guards_the_dashboard(path):
+    """The dashboard (and its Jobs API) listens on the pod IP for KubeRay's operator, so Ray's token
+    auth must be on: otherwise any pod reaching port 8265 submits jobs that see the API-key Secret."""
+    doc = load(path)
+    cluster = doc["spec"]["rayClusterConfig" if doc["kind"] == "RayService" else "rayClusterSpec"]
+    assert cluster.get("authOptions") == {"mode": "token", "secretName": "radixray-ray-auth"}
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        for container in group["template"]["spec"]["containers"]:
+            ports = {p["containerPort"] for p in container.get("ports", [])}
+            assert 10001 not in ports, f"{path.name}: Ray Client's port is published"
+            # A hand-set RAY_AUTH_MODE would fight KubeRay's own (it sets it from authOptions).
+            assert "RAY_AUTH_MODE" not in {e["name"] for e in container.get("env", [])}
