@@ -28,7 +28,7 @@ from cluster import Cluster, ClusterConfig
 from cluster.config import ENGINE_OWN_FIELDS
 from cluster.tool_parsers import JsonArrayToolParser, parser_for
 from deploy.engines import Fleet, FleetOptions, engine_deployment, frontend_options, gang_size
-from deploy.metrics import ServerMetrics
+from deploy.metrics import ServerMetrics, StatsCache
 from deploy.outputs import RequestOutput
 from deploy.protocol import (
     ChatCompletionRequest,
@@ -63,6 +63,9 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # How tool calls are parsed out of chat outputs for tool_choice "auto" (cluster.tool_parsers:
     # the same names as TOOL_PARSERS); None: "auto" with tools is refused.
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # /metrics serves the engines' and the fleet's figures as fetched at most this many seconds
+    # ago (one fetch per interval per front end, whatever the scrape rate).
+    metrics_refresh_s: float = 1.0
 
 
 class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
@@ -261,7 +264,8 @@ class OpenAIServer:
         model_path = self.args.cluster.model_path
         self.model_name = self.http.served_model_name or (
             os.path.basename(os.path.normpath(model_path)) if model_path else "radixray-builtin")
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(serve.get_replica_context().replica_id.unique_id)
+        self.engine_stats = StatsCache(self._fetch_stats, self.http.metrics_refresh_s)
         self.encoder = msgspec.json.Encoder()  # one per replica: reused by every event
         self.created = int(time.time())
 
@@ -414,14 +418,22 @@ class OpenAIServer:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "radixray",
              "max_model_len": self.cluster.inputs.max_len}]})
 
-    @app.get("/metrics")
-    async def metrics_endpoint(self) -> Response:
+    async def _fetch_stats(self) -> tuple[Any, Any]:
+        """Every engine's stats and the fleet registry's events: what /metrics caches."""
         stats = await asyncio.to_thread(self.cluster.stats)
         try:
             fleet = await asyncio.wait_for(self.fleet.stats.remote(), timeout=5) if self.fleet is not None else None
         except Exception:  # the registry is restarting: the rest of the page still renders
             fleet = None
-        return PlainTextResponse(self.metrics.render(stats, fleet), media_type="text/plain; version=0.0.4")
+        return stats, fleet
+
+    @app.get("/metrics")
+    async def metrics_endpoint(self) -> Response:
+        # Open without the API key, as vLLM's: Prometheus scrapes without the inference
+        # credential, the page holds counts only, and a scrape costs no engine call (cached).
+        stats, fleet = await self.engine_stats.get()
+        return PlainTextResponse(self.metrics.render(stats, fleet, self.engine_stats.refreshes),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

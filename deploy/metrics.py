@@ -1,12 +1,20 @@
-"""Prometheus text exposition, written by hand (no global registry: several apps per process)."""
+"""Prometheus text exposition, written by hand (no global registry: several apps per process).
+
+Every sample carries the front-end replica that wrote it (`replica`): behind the proxy or HAProxy
+successive scrapes reach different replicas, and only per replica do counters never go back.
+Nothing on the page depends on when it was last read; ratios are PromQL's (`rate(a) / rate(b)`).
+The engines' figures come from a StatsCache, so the scrape rate does not set the engines' load."""
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import math
 import resource
+import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import msgspec
 
@@ -15,6 +23,49 @@ if TYPE_CHECKING:
     from deploy.engines import FleetEvents
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+T = TypeVar("T")
+
+
+def escape_label(value: str) -> str:
+    """A label value as the text format writes it (backslash, double quote, newline escaped)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def format_value(value: float) -> str:
+    """A sample value in the text format's spelling (NaN, +Inf, -Inf; integers without a point)."""
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class Page:
+    """One exposition page: each family's HELP and TYPE lines once, then its samples, every one
+    labelled with the replica that wrote the page (after the family's own labels)."""
+
+    def __init__(self, replica: str) -> None:
+        self.lines: list[str] = []
+        self.families: set[str] = set()
+        self.replica = f'replica="{escape_label(replica)}"'
+
+    def family(self, name: str, kind: str, help_text: str) -> None:
+        if name in self.families:
+            raise ValueError(f"metric family {name} is written twice")
+        self.families.add(name)
+        help_text = help_text.replace("\\", "\\\\").replace("\n", "\\n")
+        self.lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+
+    def sample(self, name: str, value: float, labels: dict[str, object] | None = None) -> None:
+        pairs = [f'{k}="{escape_label(str(v))}"' for k, v in (labels or {}).items()]
+        self.lines.append(f"{name}{{{','.join([*pairs, self.replica])}}} {format_value(value)}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
 
 
 class Histogram:
@@ -27,15 +78,16 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
 
-    def render(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+    def render(self, page: Page, name: str, help_text: str) -> None:
+        page.family(name, "histogram", help_text)
         acc = 0
         for bound, count in zip(self.buckets, self.counts):
             acc += count
-            lines.append(f'{name}_bucket{{le="{bound}"}} {acc}')
+            page.sample(f"{name}_bucket", acc, {"le": format_value(bound)})
         acc += self.counts[-1]
-        lines += [f'{name}_bucket{{le="+Inf"}} {acc}', f"{name}_sum {self.sum}", f"{name}_count {acc}"]
-        return lines
+        page.sample(f"{name}_bucket", acc, {"le": "+Inf"})
+        page.sample(f"{name}_sum", self.sum)
+        page.sample(f"{name}_count", acc)
 
 
 def process_cpu_s() -> float:
@@ -44,8 +96,48 @@ def process_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class StatsCache(Generic[T]):
+    """What an expensive fetch (every engine's stats) last returned, refreshed at most once per
+    `refresh_s` whatever the scrape rate: scrapes that arrive while a refresh runs wait for that
+    one, and a scrape whose client goes away does not cancel it. A failed fetch is remembered
+    like a value (raised to the scrapes of its interval), so failures do not refresh faster."""
+
+    def __init__(self, fetch: Callable[[], Awaitable[T]], refresh_s: float) -> None:
+        self.fetch, self.refresh_s = fetch, refresh_s
+        self.refreshes = 0  # fetches started: what the engines were asked, whatever the scrapes
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._at = -math.inf  # when the last fetch ended (time.monotonic)
+        self._inflight: asyncio.Future[T] | None = None
+
+    async def get(self) -> T:
+        if time.monotonic() - self._at < self.refresh_s:
+            if self._error is not None:
+                raise self._error
+            return self._value  # type: ignore[return-value]
+        if self._inflight is None:
+            self._inflight = asyncio.ensure_future(self._refresh())
+        return await asyncio.shield(self._inflight)
+
+    async def _refresh(self) -> T:
+        self.refreshes += 1
+        try:
+            value = await self.fetch()
+        except Exception as e:
+            self._error = e
+            raise
+        else:
+            self._value, self._error = value, None
+            return value
+        finally:
+            self._at, self._inflight = time.monotonic(), None
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    """One front-end replica's own counters (monotonic for its lifetime) and its page."""
+
+    def __init__(self, replica: str = "local") -> None:
+        self.replica = replica  # the Serve replica id; "local" outside Serve
         self.requests: Counter[str] = Counter()  # by final status: ok, error, aborted, invalid
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -54,98 +146,94 @@ class ServerMetrics:
         self.sse_events = 0  # written on streams: data events and keep-alive comments
         self.streamed_tokens = 0  # tokens those events carried
         self.cpu_start = process_cpu_s()
-        self._last_scrape = (self.cpu_start, 0, 0)  # (CPU seconds, tokens, events) at the previous render
 
-    def streaming_lines(self) -> list[str]:
-        """Streaming cost: events and tokens streamed, the process's CPU time, and, since the
-        previous scrape of this page, events per token and CPU seconds per streamed token (NaN
-        when no token was streamed meanwhile)."""
-        cpu, tokens, events = process_cpu_s(), self.streamed_tokens, self.sse_events
-        last_cpu, last_tokens, last_events = self._last_scrape
-        self._last_scrape = (cpu, tokens, events)
-        window = tokens - last_tokens
-        return [
-            "# HELP radixray_sse_events_total SSE events written on streams (data events and keep-alive comments).",
-            "# TYPE radixray_sse_events_total counter", f"radixray_sse_events_total {events}",
-            "# HELP radixray_streamed_tokens_total Generated tokens sent on streams.",
-            "# TYPE radixray_streamed_tokens_total counter", f"radixray_streamed_tokens_total {tokens}",
-            "# HELP radixray_frontend_cpu_seconds_total CPU time (user + system, every thread) of this front-end "
-            "process since it started serving.",
-            "# TYPE radixray_frontend_cpu_seconds_total counter",
-            f"radixray_frontend_cpu_seconds_total {cpu - self.cpu_start}",
-            "# HELP radixray_sse_events_per_token SSE events per streamed token since the previous scrape.",
-            "# TYPE radixray_sse_events_per_token gauge",
-            f"radixray_sse_events_per_token {(events - last_events) / window if window else math.nan}",
-            "# HELP radixray_frontend_cpu_per_token_seconds This front-end process's CPU time per streamed token "
-            "since the previous scrape (all its work, streaming or not).",
-            "# TYPE radixray_frontend_cpu_per_token_seconds gauge",
-            f"radixray_frontend_cpu_per_token_seconds {(cpu - last_cpu) / window if window else math.nan}"]
-
-    def render(self, cluster_stats: ClusterStats, fleet: FleetEvents | None = None) -> str:
-        lines = ["# HELP radixray_requests_total Requests by final status.", "# TYPE radixray_requests_total counter"]
+    def _own(self, page: Page) -> None:
+        page.family("radixray_requests_total", "counter", "Requests by final status.")
         for status in ("ok", "error", "aborted", "invalid"):
-            lines.append(f'radixray_requests_total{{status="{status}"}} {self.requests[status]}')
-        lines += ["# HELP radixray_prompt_tokens_total Prompt tokens of finished requests.",
-                  "# TYPE radixray_prompt_tokens_total counter", f"radixray_prompt_tokens_total {self.prompt_tokens}",
-                  "# HELP radixray_generation_tokens_total Generated tokens.",
-                  "# TYPE radixray_generation_tokens_total counter",
-                  f"radixray_generation_tokens_total {self.generation_tokens}"]
-        lines += self.ttft.render("radixray_time_to_first_token_seconds", "Time to first token.")
-        lines += self.itl.render("radixray_inter_token_latency_seconds",
-                                 "Time between a stream's deltas (coalesced tokens arrive together).")
-        lines += self.streaming_lines()
+            page.sample("radixray_requests_total", self.requests[status], {"status": status})
+        page.family("radixray_prompt_tokens_total", "counter", "Prompt tokens of finished requests.")
+        page.sample("radixray_prompt_tokens_total", self.prompt_tokens)
+        page.family("radixray_generation_tokens_total", "counter", "Generated tokens.")
+        page.sample("radixray_generation_tokens_total", self.generation_tokens)
+        self.ttft.render(page, "radixray_time_to_first_token_seconds", "Time to first token.")
+        self.itl.render(page, "radixray_inter_token_latency_seconds",
+                        "Time between a stream's deltas (coalesced tokens arrive together).")
+        # Streaming cost; per token: rate(radixray_sse_events_total[5m]) / rate(radixray_streamed_tokens_total[5m])
+        # and rate(radixray_frontend_cpu_seconds_total[5m]) / rate(radixray_streamed_tokens_total[5m]).
+        page.family("radixray_sse_events_total", "counter",
+                    "SSE events written on streams (data events and keep-alive comments).")
+        page.sample("radixray_sse_events_total", self.sse_events)
+        page.family("radixray_streamed_tokens_total", "counter", "Generated tokens sent on streams.")
+        page.sample("radixray_streamed_tokens_total", self.streamed_tokens)
+        page.family("radixray_frontend_cpu_seconds_total", "counter",
+                    "CPU time (user + system, every thread) of this front-end process since it started serving.")
+        page.sample("radixray_frontend_cpu_seconds_total", process_cpu_s() - self.cpu_start)
+
+    def render(self, cluster_stats: ClusterStats, fleet: FleetEvents | None = None, refreshes: int = 0) -> str:
+        """The page: this replica's counters, then the engines' and the fleet's figures as this
+        replica last fetched them (`refreshes`: how many fetches it has made)."""
+        page = Page(self.replica)
+        self._own(page)
+        page.family("radixray_metrics_refreshes_total", "counter",
+                    "Times this front end fetched the engines' stats for this page (at most one per metrics_refresh_s).")
+        page.sample("radixray_metrics_refreshes_total", refreshes)
+        engines = cluster_stats.engines
         gauges = {
             "radixray_engine_waiting_requests": ("Requests queued in the engine.", lambda e: e.engine.waiting),
             "radixray_engine_running_requests": ("Requests decoding in the engine.", lambda e: e.engine.running),
             "radixray_engine_kv_usage_ratio": ("KV slots held by requests / total.",
                                                lambda e: e.engine.kv_used / max(e.engine.kv_total, 1)),
-            "radixray_engine_cache_hit_rate": ("Prompt tokens served from the radix cache.",
+            "radixray_engine_cache_hit_rate": ("Prompt tokens served from the radix cache / prompt tokens, since "
+                                               "the engine started.",
                                                lambda e: e.engine.cached_tokens / max(e.engine.prompt_tokens, 1)),
             "radixray_engine_healthy": ("1 when the engine answers health checks.", lambda e: int(e.healthy)),
         }
         for name, (help_text, get) in gauges.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-            for eng in cluster_stats.engines:
-                lines.append(f'{name}{{engine="{eng.engine_id}"}} {get(eng)}')
+            page.family(name, "gauge", help_text)
+            for eng in engines:
+                page.sample(name, get(eng), {"engine": eng.engine_id})
         routing, index = cluster_stats.routing, cluster_stats.routing.kv_index
         per_engine = {
-            "radixray_routing_decisions_total": ("counter", "Requests routed to the engine.", routing.decisions),
-            "radixray_kv_events_applied_total": ("counter", "The engine's KV events applied to the routing index.",
+            "radixray_engine_prompt_tokens_total": ("Prompt tokens the engine received.",
+                                                    [e.engine.prompt_tokens for e in engines]),
+            "radixray_engine_cached_tokens_total": ("Prompt tokens the engine served from its radix cache.",
+                                                    [e.engine.cached_tokens for e in engines]),
+            "radixray_routing_decisions_total": ("Requests this front end routed to the engine.", routing.decisions),
+            "radixray_kv_events_applied_total": ("The engine's KV events applied to this front end's routing index.",
                                                  index.events_applied),
-            "radixray_kv_index_resyncs_total": ("counter", "Snapshots that resynced the routing index (gaps, restarts).",
+            "radixray_kv_index_resyncs_total": ("Snapshots that resynced the routing index (gaps, restarts).",
                                                 index.resyncs),
-            "radixray_spec_draft_tokens_total": ("counter", "Speculative draft tokens verified.",
-                                                 [e.engine.spec_draft_tokens for e in cluster_stats.engines]),
-            "radixray_spec_accepted_tokens_total": ("counter", "Speculative draft tokens accepted.",
-                                                    [e.engine.spec_accepted_tokens for e in cluster_stats.engines]),
-            "radixray_spec_verify_requests_total": ("counter", "Requests in verify steps (each emits accepted + 1 tokens).",
-                                                    [e.engine.spec_verify_requests for e in cluster_stats.engines]),
+            "radixray_spec_draft_tokens_total": ("Speculative draft tokens verified.",
+                                                 [e.engine.spec_draft_tokens for e in engines]),
+            "radixray_spec_accepted_tokens_total": ("Speculative draft tokens accepted.",
+                                                    [e.engine.spec_accepted_tokens for e in engines]),
+            "radixray_spec_verify_requests_total": ("Requests in verify steps (each emits accepted + 1 tokens).",
+                                                    [e.engine.spec_verify_requests for e in engines]),
         }
-        for name, (kind, help_text, values) in per_engine.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines += [f'{name}{{engine="{e.engine_id}"}} {v}' for e, v in zip(cluster_stats.engines, values)]
+        for name, (help_text, values) in per_engine.items():
+            page.family(name, "counter", help_text)
+            for eng, value in zip(engines, values):
+                page.sample(name, value, {"engine": eng.engine_id})
         name = "radixray_engine_expert_tokens_total"
-        lines += [f"# HELP {name} MoE: (token, expert) pairs the engine's experts computed (an attention-DP member "
-                  "with expert parallelism counts its own experts only).", f"# TYPE {name} counter"]
-        for eng in cluster_stats.engines:
-            lines += [f'{name}{{engine="{eng.engine_id}",expert="{e}"}} {n}'
-                      for e, n in enumerate(eng.engine.expert_tokens)]
-        engines = [e.engine for e in cluster_stats.engines]
-        actual = sum(e.cached_tokens for e in engines) / max(sum(e.prompt_tokens for e in engines), 1)
-        lines += ["# HELP radixray_prefix_hit_rate Prompt tokens the engines served from their caches / prompt tokens.",
-                  "# TYPE radixray_prefix_hit_rate gauge", f"radixray_prefix_hit_rate {actual}",
-                  "# HELP radixray_router_prefix_hit_rate The router's estimate of the same.",
-                  "# TYPE radixray_router_prefix_hit_rate gauge",
-                  f"radixray_router_prefix_hit_rate {routing.prefix_hit_rate}"]
-        lines += ["# HELP radixray_routing_reasons_total Routing decisions by reason (this front end).",
-                  "# TYPE radixray_routing_reasons_total counter"]
-        lines += [f'radixray_routing_reasons_total{{reason="{r}"}} {routing.reasons.get(r, 0)}'
-                  for r in ("cache_match", "load", "fallback")]
-        lines += ["# HELP radixray_fleet_engines Engines this front end routes to.", "# TYPE radixray_fleet_engines gauge",
-                  f"radixray_fleet_engines {len(cluster_stats.engines)}"]
+        page.family(name, "counter", "MoE: (token, expert) pairs the engine's experts computed (an attention-DP "
+                    "member with expert parallelism counts its own experts only).")
+        for eng in engines:
+            for expert, n in enumerate(eng.engine.expert_tokens):
+                page.sample(name, n, {"engine": eng.engine_id, "expert": expert})
+        actual = sum(e.engine.cached_tokens for e in engines) / max(sum(e.engine.prompt_tokens for e in engines), 1)
+        page.family("radixray_prefix_hit_rate", "gauge",
+                    "Prompt tokens the engines served from their caches / prompt tokens, since they started.")
+        page.sample("radixray_prefix_hit_rate", actual)
+        page.family("radixray_router_prefix_hit_rate", "gauge", "This front end's router's estimate of the same.")
+        page.sample("radixray_router_prefix_hit_rate", routing.prefix_hit_rate)
+        page.family("radixray_routing_reasons_total", "counter", "Routing decisions by reason (this front end).")
+        for reason in ("cache_match", "load", "fallback"):
+            page.sample("radixray_routing_reasons_total", routing.reasons.get(reason, 0), {"reason": reason})
+        page.family("radixray_fleet_engines", "gauge", "Engines this front end routes to.")
+        page.sample("radixray_fleet_engines", len(engines))
         if fleet is not None:
-            lines += ["# HELP radixray_fleet_events_total Engines registered, drained, left cleanly, or lost "
-                      "(lease expired).", "# TYPE radixray_fleet_events_total counter"]
-            lines += [f'radixray_fleet_events_total{{event="{k}"}} {v}'
-                      for k, v in msgspec.structs.asdict(fleet).items()]
-        return "\n".join(lines) + "\n"
+            page.family("radixray_fleet_events_total", "counter",
+                        "Engines registered, drained, left cleanly, or lost (lease expired).")
+            for event, n in msgspec.structs.asdict(fleet).items():
+                page.sample("radixray_fleet_events_total", n, {"event": event})
+        return page.text()
