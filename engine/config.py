@@ -199,10 +199,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_hf(cls, hf: dict, generation_eos: tuple[int, ...] = ()) -> ModelConfig:
-        from engine.models import model_class  # lazily: the models import this module
-
+        # The architecture is checked against the model registry where a model is built
+        # (`engine.models.model_class`): the models import this module, not the other way round.
         arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
-        model_class(arch)  # an unknown architecture: ConfigError naming the supported ones
         model_type = hf.get("model_type", "llama")
         rope = hf.get("rope_parameters") or {}
         rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))

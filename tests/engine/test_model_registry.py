@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import Engine
 from engine.builtin_model import llama_config, random_llama_weights, write_checkpoint
 from engine.config import ModelConfig
 from engine.errors import ConfigError
@@ -51,7 +52,7 @@ class CausalAttention:
 
 def test_unknown_architecture_lists_supported(tmp_path):
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_hf(llama_config(architectures=["GPT2LMHeadModel"]))
+        Engine(model_path=checkpoint(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"]))
     assert "GPT2LMHeadModel" in str(e.value) and all(name in str(e.value) for name in FAMILY)
     path = checkpoint(tmp_path)
     cfg = msgspec.structs.replace(ModelConfig.from_dir(path), architecture="NopeForCausalLM")
