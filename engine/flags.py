@@ -4,9 +4,46 @@ dashes, typed and (for Literal fields) with choices, so no CLI re-declares a con
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import inspect
+import textwrap
 from typing import Any
 
 import msgspec
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's help, from the source of `cls`: the comment at the end of the field's line, else
+    the comment lines right above it (the config structs document their fields that way)."""
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}
+    source = textwrap.dedent("".join(lines))
+    rows = source.splitlines()
+    docs: dict[str, str] = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        last = rows[node.end_lineno - 1]
+        trailing = _comment(last, node.end_col_offset)
+        if trailing:
+            docs[node.target.id] = trailing
+            continue
+        above, i = [], node.lineno - 2
+        while i >= 0 and rows[i].lstrip().startswith("#"):
+            above.insert(0, rows[i].lstrip()[1:].strip())
+            i -= 1
+        if above:
+            docs[node.target.id] = " ".join(above)
+    return docs
+
+
+def _comment(line: str, code_end: int) -> str:
+    rest = line[code_end:].strip()
+    return rest[1:].strip() if rest.startswith("#") else ""
 
 
 def _scalar(t: msgspec.inspect.Type) -> msgspec.inspect.Type | None:
@@ -33,14 +70,15 @@ def add_struct_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tup
             raise TypeError(f"{cls.__name__}.{f.name} defaults to True: a store_true flag cannot turn it off")
         flag = "--" + renames.get(f.name, f.name).replace("_", "-")
         default = f.default if f.default is not msgspec.NODEFAULT else None
-        help_text = HELP.get(f.name, f"default: {default}")
+        doc = HELP.get(f.name) or field_docs(cls).get(f.name, "")
+        help_text = f"{doc} (default: {default})" if doc else f"default: {default}"
         if isinstance(t, msgspec.inspect.BoolType):
             parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
         elif isinstance(t, msgspec.inspect.LiteralType):
             parser.add_argument(flag, dest=f.name, choices=list(t.values), default=None, help=help_text)
         elif isinstance(t, msgspec.inspect.DictType):  # a JSON object, e.g. '{"load_weight": 0.2}'
             parser.add_argument(flag, dest=f.name, type=msgspec.json.decode, default=None,
-                                help=HELP.get(f.name, "a JSON object"))
+                                help=HELP.get(f.name) or field_docs(cls).get(f.name, "a JSON object"))
         else:
             kind = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(t), str)
             parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
