@@ -229,6 +229,10 @@ class KVIndex:
         queued = 0 if view.stale else view.queued.match(tokens)
         return max(self.match(engine, tokens), queued, self.in_flight[engine].match(tokens))
 
+    def cached_tokens(self, engine: int) -> int:
+        """Tokens the engine's cache holds, by the index (a stale view's last known size)."""
+        return self.views[engine].paths.size
+
     def queued_tokens(self, engine: int) -> int:
         """Prompt tokens of the requests the engine reported queued or running (every front end's)."""
         view = self.views[engine]

@@ -3,11 +3,18 @@
 `kv_events` routes on what each engine's cache holds and what its queued requests will store,
 exactly (cluster/kv_index.py, fed by the engines' KV events, the same for every front end): each
 engine costs prefill_weight x the prompt tokens it would compute plus load_weight x the tokens
-in flight on it, and the cheapest wins (Dynamo's KV router cost).
+in flight on it (Dynamo's KV router cost) plus evict_weight x those new tokens x how much fuller
+its KV is than the emptiest candidate's (what they would push out of a full engine that an
+emptier one keeps), and the cheapest wins.
 `cache_aware` keeps, per engine, an approximate radix tree of the prompts it was sent (token
 level), trimmed LRU to the engine's KV capacity and corrected by the engines' eviction events;
 a request goes to the engine with the longest match unless the load is imbalanced beyond a
-threshold, then to the least loaded engine. `round_robin` and `least_load` ignore the cache."""
+threshold or the match is short, then to the engine where it costs the least load and eviction.
+`round_robin` and `least_load` ignore the cache.
+
+Ties (no load to tell the engines apart, as at low concurrency) go to the engine holding the
+least KV, not to the first one: new prefixes spread over the engines instead of evicting each
+other on one."""
 
 from __future__ import annotations
 
@@ -156,6 +163,7 @@ class CacheAware:
     balance_abs_threshold: int = 8  # requests
     balance_rel_threshold: float = 1.5
     cache_threshold: float = 0.3  # share of the prompt that must match to follow the cache
+    evict_weight: float = 1.0  # per new token, x the engine's KV use above the emptiest candidate's
 
     def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
         reqs = [router.loads[i].requests for i in candidates]
@@ -163,11 +171,18 @@ class CacheAware:
                 and max(reqs) > self.balance_rel_threshold * max(min(reqs), 1)):
             return router.least_loaded(candidates)
         matches = {i: router.trees[i].match(input_ids) for i in candidates}
-        best = max(candidates, key=lambda i: (matches[i], -router.loads[i].requests, -i))
-        # A short match (a BOS token, a common template head) is no reason to pile up on one engine.
-        if matches[best] < self.cache_threshold * len(input_ids):
-            return router.least_loaded(candidates)
-        return best
+        best = max(candidates, key=lambda i: (matches[i], -router.loads[i].requests, -router.cached_tokens(i), -i))
+        if matches[best] >= self.cache_threshold * len(input_ids):
+            return best
+        # A short match (a BOS token, a common template head) is no reason to pile up on one
+        # engine: the least load, plus what the new tokens would push out of a fuller KV.
+        pressure = router.kv_pressure(candidates)
+
+        def cost(i: int) -> tuple[float, int, int, int]:
+            evict = self.evict_weight * (len(input_ids) - matches[i]) * pressure[i]
+            return router.loads[i].tokens + evict, router.loads[i].requests, router.cached_tokens(i), i
+
+        return min(candidates, key=cost)
 
 
 @dataclass
@@ -176,19 +191,25 @@ class KVEvents:
     (from the engines' own KV events) + load_weight x tokens in flight there: the larger of
     this router's (prompt + max output of the requests it sent there) and the prompt tokens of
     every front end's requests the engine reports queued or running (a lower bound of its load
-    that this router's own count misses)."""
+    that this router's own count misses) + evict_weight x uncached tokens x the engine's KV use
+    above the emptiest candidate's (Router.kv_pressure: zero when every engine is as full, so it
+    spreads new prefixes without changing the balance of cache and load among full engines).
+    Equal costs go to the engine holding the least KV."""
 
     prefill_weight: float = 1.0
     load_weight: float = 0.1
+    evict_weight: float = 1.0
 
     def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
         index = router.kv_index
+        pressure = router.kv_pressure(candidates)
 
-        def cost(i: int) -> tuple[float, int, int]:
+        def cost(i: int) -> tuple[float, int, int, int]:
             uncached = len(input_ids) - index.match_with_in_flight(i, input_ids)
             load = router.loads[i]
             tokens = max(load.tokens, index.queued_tokens(i))
-            return self.prefill_weight * uncached + self.load_weight * tokens, load.requests, i
+            c = (self.prefill_weight + self.evict_weight * pressure[i]) * uncached + self.load_weight * tokens
+            return c, router.cached_tokens(i), load.requests, i
 
         return min(candidates, key=cost)
 
@@ -226,6 +247,7 @@ class Router:
     prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
+        self.capacity = [self.kv_capacity] * self.num_engines  # each engine's KV pool, in tokens
         self.policy_name = self.policy if isinstance(self.policy, str) else type(self.policy).__name__
         if isinstance(self.policy, str):
             if self.policy not in ROUTING_POLICIES:
@@ -242,6 +264,7 @@ class Router:
     def add_engine(self, kv_capacity: int) -> int:
         """A new engine joined (indices are never reused); returns its index."""
         self.loads.append(EngineLoad())
+        self.capacity.append(kv_capacity)
         self.trees.append(PrefixTree(kv_capacity))
         self.kv_index.add_engine()
         self.num_engines += 1
@@ -252,7 +275,28 @@ class Router:
         self.loads[engine].accepting = False
 
     def least_loaded(self, candidates: list[int]) -> int:
-        return min(candidates, key=lambda i: (self.loads[i].tokens, self.loads[i].requests, i))
+        """The least loaded engine; of equally loaded ones, the one holding the least KV."""
+        return min(candidates, key=lambda i: (self.loads[i].tokens, self.loads[i].requests, self.cached_tokens(i), i))
+
+    def cached_tokens(self, engine: int) -> int:
+        """What the engine's prefix cache holds, by this router's view (the exact index with
+        kv_events, the approximate tree otherwise)."""
+        return self.kv_index.cached_tokens(engine) if self.exact else self.trees[engine].size
+
+    def kv_pressure(self, candidates: list[int]) -> dict[int, float]:
+        """Per candidate: the share of its KV pool in use, minus the emptiest candidate's. New
+        tokens on a fuller engine push more cached prefixes out, sooner. In use: the cache and
+        the prompts in flight there (the approximate tree has them from the moment they are
+        routed; the exact index, once stored, so their own count is added: a running prompt
+        may count twice, an overestimate on a busy engine)."""
+        use = {}
+        for i in candidates:
+            held = self.cached_tokens(i)
+            if self.exact:
+                held += max(self.kv_index.in_flight[i].tokens, self.kv_index.queued_tokens(i))
+            use[i] = min(1.0, held / max(self.capacity[i], 1))
+        low = min(use.values())
+        return {i: u - low for i, u in use.items()}
 
     def pick(self, input_ids: list[int], cost: int, exclude: frozenset[int] = frozenset()) -> int | None:
         """Choose an engine (None if none is healthy) and account the request on it."""
@@ -287,8 +331,13 @@ class Router:
 
     def set_healthy(self, engine: int, healthy: bool) -> None:
         if not healthy and self.loads[engine].healthy:
-            self.trees[engine] = PrefixTree(self.kv_capacity)  # a restarted engine starts cold
+            self.forget(engine)  # a restarted engine starts cold
         self.loads[engine].healthy = healthy
+
+    def forget(self, engine: int) -> None:
+        """Empty the approximate tree of the engine (it restarted, or its eviction events were
+        lost): it matches nothing until requests are routed there again."""
+        self.trees[engine] = PrefixTree(self.capacity[engine])
 
     def stats(self) -> RoutingStats:
         return RoutingStats(

@@ -3,6 +3,7 @@ matches every prompt exactly as the cache does; a lost event is detected and a s
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -128,3 +129,56 @@ def test_queued_prompts_count_from_any_front_end_until_done():
     assert router.kv_index.match_with_in_flight(0, prompt) == 20
     assert not router.kv_index.apply(0, _batch(11, KVEvent("done", prompt[:20]), incarnation="b"))  # a gap
     assert router.kv_index.match_with_in_flight(0, prompt) == 0
+
+
+def _two_engines(capacity: int = 2200) -> Router:
+    router = Router("kv_events", 0)
+    for i in range(2):
+        router.add_engine(capacity)
+        router.kv_index.apply(i, _batch(1, incarnation=str(i)))  # in sync, empty
+    return router
+
+
+def test_kv_events_ties_go_to_the_engine_holding_less():
+    """Sequential requests of new tenants: equal costs, so the engine whose cache holds less
+    takes the next one, whatever its index."""
+    router = _two_engines()
+    seq = [1, 1]
+    chosen = []
+    for t in range(4):
+        prompt = [100 * t + k for k in range(1, 401)]
+        i = router.pick(prompt, 416)
+        assert router.kv_index.apply(i, _batch(seq[i], KVEvent("stored", prompt), incarnation=str(i)))
+        seq[i] += 1
+        router.done(i, 416, prompt)
+        chosen.append(i)
+    assert sorted(chosen) == [0, 0, 1, 1]
+    assert router.kv_index.cached_tokens(0) == router.kv_index.cached_tokens(1) == 800
+
+
+def test_kv_events_weighs_what_a_new_prefix_would_evict():
+    """Engine 0 holds 1,752 of its 2,200 tokens, among them a 16-token head the new prompt
+    shares; engine 1 holds 400. Computing 16 more tokens on engine 1 beats pushing cached
+    prefixes out of engine 0; with no eviction cost the shared head wins."""
+    head = [1] * 16
+    held = [head + [100 * t + k for k in range(434)] for t in range(1, 5)]  # 4 x 450 tokens
+    new = head + [9000 + k for k in range(384)]
+    for evict_weight, expected in ((1.0, 1), (0.0, 0)):
+        router = _two_engines()
+        router.policy.evict_weight = evict_weight
+        assert router.kv_index.apply(0, _batch(1, *[KVEvent("stored", p) for p in held], incarnation="0"))
+        assert router.kv_index.apply(1, _batch(1, KVEvent("stored", [5000 + k for k in range(400)]), incarnation="1"))
+        assert router.kv_pressure([0, 1]) == pytest.approx({0: (1800 - 16 * 3 - 400) / 2200, 1: 0.0})
+        assert router.pick(new, 400) == expected
+
+
+def test_full_engines_keep_the_balance_of_cache_and_load():
+    """Both pools full: no pressure difference, so the cost is prefill + load as before."""
+    router = _two_engines(capacity=1000)
+    prompt = list(range(1, 101))
+    assert router.kv_index.apply(0, _batch(1, KVEvent("stored", prompt[:90] + [7] * 910), incarnation="0"))
+    assert router.kv_index.apply(1, _batch(1, KVEvent("stored", [8] * 1000), incarnation="1"))
+    assert router.kv_pressure([0, 1]) == {0: 0.0, 1: 0.0}
+    assert router.pick(prompt, 110) == 0
+    router.loads[0].tokens += 1100  # 0.1 x 1,100 > the 90 tokens it saves
+    assert router.pick(prompt, 110) == 1

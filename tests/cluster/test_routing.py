@@ -152,3 +152,68 @@ def test_a_policy_is_a_class_with_choose():
 
     r = Router(Last(), 3)
     assert r.pick([1], 1) == 2 and r.stats().policy == "Last"
+
+
+def _one_at_a_time(r: Router, prompts: list[list[int]], out: int = 16) -> list[int]:
+    """Route each prompt after the previous one ended (no load tells the engines apart)."""
+    chosen = []
+    for p in prompts:
+        i = r.pick(p, len(p) + out)
+        r.done(i, len(p) + out, p)
+        chosen.append(i)
+    return chosen
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_load"])
+def test_ties_spread_new_prefixes_over_the_engines(policy):
+    """At low concurrency every engine is idle at each decision: new tenants must not all land
+    on the first engine (it would evict them in turn while the other holds nothing)."""
+    r = Router(policy, 0)
+    for _ in range(2):
+        r.add_engine(2200)
+    tenants = [[100 * t + k for k in range(1, 401)] for t in range(4)]
+    assert sorted(_one_at_a_time(r, tenants)) == [0, 0, 1, 1]
+
+
+def test_cache_aware_keeps_a_tenant_where_it_was_sent():
+    r = Router("cache_aware", 0)
+    for _ in range(2):
+        r.add_engine(2200)
+    tenants = [[100 * t + k for k in range(1, 401)] for t in range(4)]
+    first = _one_at_a_time(r, tenants)
+    again = _one_at_a_time(r, [p + [7] for p in tenants])
+    assert again == first
+
+
+def test_a_short_shared_head_does_not_pile_new_prefixes_onto_one_engine():
+    """Tenants sharing a template head: cache_aware treats the short match as none and puts each
+    new prefix where it pushes the least out of a fuller KV."""
+    r = Router("cache_aware", 0)
+    for _ in range(2):
+        r.add_engine(2200)
+    head = [1] * 16
+    tenants = [head + [100 * t + k for k in range(384)] for t in range(1, 5)]
+    assert sorted(_one_at_a_time(r, tenants)) == [0, 0, 1, 1]
+
+
+def test_kv_pressure_is_relative_to_the_emptiest_engine():
+    r = Router("cache_aware", 0)
+    for cap in (1000, 1000, 2000):
+        r.add_engine(cap)
+    r.trees[0].insert(list(range(500)))
+    r.trees[1].insert(list(range(1000, 1900)))
+    r.trees[2].insert(list(range(3000, 4000)))
+    assert r.kv_pressure([0, 1, 2]) == pytest.approx({0: 0.0, 1: 0.4, 2: 0.0})
+    assert r.kv_pressure([1, 2]) == pytest.approx({1: 0.4, 2: 0.0})
+
+
+def test_a_missed_heartbeat_keeps_the_engines_capacity():
+    r = Router("cache_aware", 0)
+    engine = r.add_engine(2200)
+    r.set_healthy(engine, False)
+    r.set_healthy(engine, True)
+    assert r.trees[engine].capacity == 2200
+    r.trees[engine].insert(list(range(3000)))
+    assert r.trees[engine].size <= 2200
+    r.forget(engine)
+    assert r.trees[engine].capacity == 2200 and r.trees[engine].size == 0
