@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import threading
 import time
@@ -13,6 +12,7 @@ from collections import deque
 
 import ray
 
+from actors.dp_coordinator import DPMember
 from actors.protocol import (
     EngineInfo,
     KVEventBatch,
@@ -105,7 +105,7 @@ class EngineActor:
         log_to_stderr()
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one it replaced
-        self.dp_loop = None
+        self.dp: DPMember | None = None  # attention-DP: this engine's membership of its group
         shard = (dp["rank"], dp["size"]) if dp else (0, 1)
         self.engine = Engine(EngineConfig.from_kwargs(**engine_config), mlp_shard=shard)
         # Evicted radix paths, for the router's cache-aware tree (drained by heartbeat()).
@@ -124,49 +124,19 @@ class EngineActor:
         self._kv_streams: dict[str, _KVStream] = {}
         self._kv_drop = 0  # fault injection (tests): lose this many events
         self._kv_lock = threading.Lock()
-        # Attention-DP: the epoch this member joined, and the oldest epoch it may still serve.
-        self._in_dp_group = dp is not None
-        self._dp_epoch: int | None = None
-        self._dp_min_epoch = 0
         if dp:
-            # Rendezvous on a thread: the constructor returns, so the coordinator's
-            # leave_epochs_before() reaches a member even while it waits for its peers.
-            threading.Thread(target=self._start_dp, kwargs=dp, name="radixray-dp-join", daemon=True).start()
+            self.dp = DPMember(self.engine, die=self._die, **dp)
+            self.dp.start()
         else:
             self.engine.on_fatal = self._die  # a dead loop takes the actor down: Ray restarts it
             self.engine.start_loop()
 
-    def _start_dp(self, rank: int, size: int, coordinator, timeout_s: float = 30.0) -> None:
-        """Join the group (rendezvous through the coordinator) and run the lock-step loop."""
-        from engine.dp import DPComm, DPLoop
-
-        try:
-            epoch = ray.get(coordinator.join.remote(rank, ray.get_runtime_context().current_actor))
-            self._dp_epoch = epoch
-            if epoch < self._dp_min_epoch:  # the group moved on while we joined
-                raise RuntimeError(f"joined epoch {epoch}, but the group is at {self._dp_min_epoch}")
-            if rank == 0:
-                host = ray.util.get_node_ip_address()
-                with socket.socket() as s:
-                    s.bind(("", 0))
-                    port = s.getsockname()[1]
-                ray.get(coordinator.set_master.remote(epoch, host, port))
-            else:
-                host, port = ray.get(coordinator.get_master.remote(epoch))
-            comm = DPComm(host, port, rank, size, self.engine.model_runner.device, timeout_s)
-            self.dp_loop = DPLoop(self.engine, comm, lambda: coordinator.request_wave.remote(), self._die)
-            self.engine.on_work = self.dp_loop.wake
-            self.dp_loop.start()
-        except BaseException as e:  # a peer vanished mid-rendezvous, an abandoned epoch: start over
-            self._die(e)
-
-    def leave_epochs_before(self, epoch: int) -> None:
-        """The coordinator started `epoch` (a member restarted): a member of an older epoch
-        restarts and rejoins. Conditional, unlike ray.kill: a late call cannot take down a
-        member that has already joined the new epoch."""
-        self._dp_min_epoch = max(self._dp_min_epoch, epoch)
-        if self._dp_epoch is not None and self._dp_epoch < epoch:
-            self._die(RuntimeError(f"DP epoch {self._dp_epoch} was replaced by {epoch}"))
+    def leave_epoch(self, epoch: tuple[str, int]) -> None:
+        """The coordinator abandoned `epoch` (a member restarted): a member of it restarts and
+        rejoins. Conditional, unlike ray.kill: a late call cannot take down a member that has
+        already joined the new epoch."""
+        if self.dp is not None:
+            self.dp.leave_epoch(epoch)
 
     def _die(self, error: BaseException) -> None:
         # An engine loop (or a broken collective) cannot be resumed: exit so Ray restarts us;
@@ -176,8 +146,8 @@ class EngineActor:
         os._exit(1)
 
     def signal_wave(self, wave: int) -> None:
-        if self.dp_loop is not None:
-            self.dp_loop.signal(wave)
+        if self.dp is not None:
+            self.dp.signal_wave(wave)
 
     def info(self) -> EngineInfo:
         mr = self.engine.model_runner
@@ -337,16 +307,25 @@ class EngineActor:
 
     def stats(self) -> EngineActorStats:
         dp = None
-        if self.dp_loop is not None:
-            dp = DPMemberStats(rank=self.dp_loop.comm.rank, waves=self.dp_loop.waves, steps=self.dp_loop.steps,
-                               collective_seconds=self.dp_loop.comm.collective_seconds,
-                               collective_bytes=self.dp_loop.comm.collective_bytes)
+        if self.dp is not None and self.dp.loop is not None:
+            loop = self.dp.loop
+            dp = DPMemberStats(rank=loop.comm.rank, waves=loop.waves, steps=loop.steps,
+                               collective_seconds=loop.comm.collective_seconds,
+                               collective_bytes=loop.comm.collective_bytes, wave_requests=loop.wave_requests,
+                               stalled_s=self.dp.stalled_for())
         return EngineActorStats(engine_id=self.engine_id, healthy=self.engine.dead is None,
                                 engine=self.engine.stats(), dp=dp)
 
+    def ready(self) -> bool:
+        """For waiters: False while the engine's DP group forms (expected: not an error);
+        raises when check_health would for any other reason."""
+        if self.dp is not None and self.dp.loop is None and self.engine.dead is None:
+            return False
+        return self.check_health()
+
     def check_health(self) -> bool:
-        if self._in_dp_group and self.dp_loop is None:
-            raise RuntimeError(f"engine {self.engine_id} is still joining its DP group")
+        if self.dp is not None:
+            self.dp.check()  # still joining its group, or stalled
         if self.engine.dead is not None:
             raise RuntimeError(f"engine {self.engine_id} is dead: {self.engine.dead}")
         return True

@@ -15,6 +15,8 @@ class DPMemberStats(msgspec.Struct, kw_only=True):
     steps: int  # group steps (forwards in lock-step) it took part in
     collective_seconds: float  # time spent in the group's collectives
     collective_bytes: int = 0  # bytes it sent in them (engine.dp.DPComm.collective_bytes)
+    wave_requests: int = 0  # waves it asked the coordinator for, retries of lost requests included
+    stalled_s: float = 0.0  # how long it has had work without taking a step (0: none, or stepping)
 
 
 class EngineActorStats(msgspec.Struct, kw_only=True):
@@ -31,7 +33,9 @@ class DPGroupStats(msgspec.Struct, kw_only=True):
     """One attention-DP group, as its coordinator sees it."""
 
     group: int
-    epoch: int  # bumped on every gang restart
+    epoch: int  # bumped on every gang restart (-1: none yet)
     waves_started: int
     members: list[int]  # ranks joined in this epoch
-    restarts: int
+    restarts: int  # gang restarts this coordinator ordered
+    coordinator: str = ""  # the coordinator's incarnation id (a new one after Ray restarted it)
+    rejoins: int = 0  # members that checked back in after the coordinator restarted

@@ -333,11 +333,16 @@ class Cluster:
     def _wait_healthy(actors: list, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            try:
-                ray.get([a.check_health.remote() for a in actors], timeout=5)
+            refs = [a.ready.remote() for a in actors]  # False, not an error, while a DP group forms
+            ready = True
+            for ref in refs:  # each one read: an error left unread is printed as "unhandled"
+                try:
+                    ready = ray.get(ref, timeout=5) and ready
+                except Exception:  # dead or restarting: ask again
+                    ready = False
+            if ready:
                 return
-            except Exception:
-                time.sleep(0.2)
+            time.sleep(0.2)
         raise TimeoutError("engines did not become healthy in time")
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:

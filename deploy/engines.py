@@ -214,9 +214,11 @@ class EngineServer:
         gang = ctx.gang_context
         dp = None
         if cfg.dp_attention:
+            # Restartable: its state is soft (the members check back in and their group goes
+            # on); it lives as long as the replica that created it, whose death restarts the gang.
             coordinator = ray.remote(DPCoordinator).options(
                 name=f"radixray-dp-{gang.gang_id}", namespace=ACTOR_NAMESPACE, get_if_exists=True,
-                num_cpus=0, max_restarts=0).remote(0, gang.world_size)
+                num_cpus=0, max_restarts=-1).remote(0, gang.world_size)
             dp = {"rank": gang.rank, "size": gang.world_size, "coordinator": coordinator}
         pg = ray.util.get_current_placement_group()
         strategy = None
@@ -232,16 +234,12 @@ class EngineServer:
         ).remote(engine_cfg, self.engine_id, dp)
         info: EngineInfo = await self.engine.info.remote()
         deadline = time.monotonic() + 600
-        while True:  # attention-DP members are healthy once their group has formed
-            try:
-                await self.engine.check_health.remote()
-                break
-            except ray.exceptions.RayActorError:
-                raise
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+        # Attention-DP members are ready once their group has formed (until then ready() is
+        # False: an expected state, not an error); a dead or stalled engine raises.
+        while not await self.engine.ready.remote():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {self.engine_id}: its DP group did not form in 600s")
+            await asyncio.sleep(0.2)
         self.info = encode(info)
         self._state: str | None = None
         self._stop = threading.Event()

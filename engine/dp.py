@@ -112,13 +112,18 @@ class DPLockStep(StepStrategy):
 
 
 class DPLoop:
-    """The engine loop of one attention-DP member: waves of lock-steps."""
+    """The engine loop of one attention-DP member: waves of lock-steps.
+
+    A wave request may be lost (the coordinator restarted before it answered): a member that
+    has work and no wave asks again every `wave_retry_s`. An extra wave is harmless (every
+    member runs every wave: one step in which nobody has work ends it)."""
 
     def __init__(self, engine: Engine, comm: DPComm, request_wave: Callable[[], None],
-                 on_fatal: Callable[[BaseException], None]) -> None:
+                 on_fatal: Callable[[BaseException], None], wave_retry_s: float = 1.0) -> None:
         self.engine, self.comm = engine, comm
         self.request_wave = request_wave
         self.on_fatal = on_fatal
+        self.wave_retry_s = wave_retry_s
         engine.model_runner.model.mlp_comm = comm
         comm.moe_all_to_all = engine.config.moe_dispatch == "all_to_all"
         engine.scheduler.isolate_batch_failures = False
@@ -127,7 +132,10 @@ class DPLoop:
         self.signalled = 0  # waves the coordinator announced
         self.waves = 0  # waves this member has run
         self.steps = 0
-        self._asked = False
+        self.wave_requests = 0  # requests sent, retries included
+        self._asked_at: float | None = None  # when this member last asked for the wave it waits for
+        # When the member last made progress: a step done, or seen with nothing to do.
+        self._progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="radixray-dp-loop", daemon=True)
 
     def start(self) -> None:
@@ -143,22 +151,35 @@ class DPLoop:
         with self._cv:
             self._cv.notify()
 
+    def stalled_for(self) -> float:
+        """Seconds this member has had work without taking a step (0 when it has none): no wave
+        came, or a collective does not return."""
+        if not self.engine.has_pending():
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress)
+
     def _run(self) -> None:
         try:
             while not self.engine._stopping:
                 with self._cv:
                     while self.waves >= self.signalled and not self.engine._stopping:
-                        if self.engine.has_pending() and not self._asked:
-                            self._asked = True
+                        if not self.engine.has_pending():
+                            self._progress = time.monotonic()
+                            self._asked_at = None
+                        elif self._asked_at is None or time.monotonic() - self._asked_at >= self.wave_retry_s:
+                            self._asked_at = time.monotonic()
+                            self.wave_requests += 1
                             self.request_wave()
-                        self._cv.wait(timeout=0.5)
-                    self._asked = False
+                        self._cv.wait(timeout=min(0.5, self.wave_retry_s))
+                    self._asked_at = None
                 if self.engine._stopping:
                     return
                 while self.engine.step():  # one wave: lock-steps until no member has work
                     self.steps += 1
+                    self._progress = time.monotonic()
                 self.steps += 1
                 self.waves += 1
+                self._progress = time.monotonic()
         except BaseException as e:  # a dead peer (collective timeout) or a bug: fail loudly
             self.engine.dead = e
             self.on_fatal(e)

@@ -135,3 +135,86 @@ def test_other_group_keeps_serving(ray_local, model_dirs):
             time.sleep(0.5)
         assert all(cl.healthy()) and cl.dp_stats()[0].restarts >= 1 and cl.dp_stats()[1].restarts == 0
         cl.check_memory()
+
+
+def _timed(cl: Cluster, prompts: list[str], params: SamplingParams, within_s: float) -> list:
+    """Generate, failing the test if any request is still open after within_s (a stalled group
+    holds requests until request_timeout_s, 600 s by default)."""
+    return cl.run(asyncio.wait_for(cl.generate_async(prompt=prompts, sampling_params=params), timeout=within_s))
+
+
+def _wait_idle(cl: Cluster) -> None:
+    """Until every member has run every wave announced: the group sleeps, so the next request
+    needs a new wave from the coordinator."""
+    deadline = time.monotonic() + 30
+    while any(e.dp.waves < cl.dp_stats()[0].waves_started or e.engine.running or e.engine.waiting
+              for e in cl.stats().engines):
+        assert time.monotonic() < deadline, (cl.dp_stats(), cl.stats().engines)
+        time.sleep(0.05)
+
+
+def test_group_survives_a_coordinator_restart(ray_local, model_dirs):
+    """Ray restarts the coordinator under traffic: its members check back in, it adopts their
+    epoch (no gang restart, no request lost), and the next requests get their waves."""
+    path = model_dirs["stories"]
+    ref = Engine(model_path=path).generate(prompt="Once upon a time", sampling_params=GREEDY)
+    cfg = ClusterConfig(model_path=path, num_engines=2, routing="round_robin", dp_attention=True,
+                        health_check_period_s=0.5)  # request_timeout_s stays 600: a stall would hold requests
+    with Cluster(cfg) as cl:
+        coord = cl.coordinators[0]
+        before = ray.get(coord.stats.remote())
+        long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+        finals = cl.run(finals_after(cl, [f"Story {i}" for i in range(4)], long,
+                                     lambda: ray.kill(coord, no_restart=False), timeout_s=90))
+        assert all(f.error is None and f.finish_reason == "length" for f in finals), finals
+        for _ in range(3):  # each round starts from a sleeping group: a new wave from the new coordinator
+            _wait_idle(cl)
+            outs = _timed(cl, ["Once upon a time"] * 2, GREEDY, within_s=90)
+            assert [o.token_ids for o in outs] == [ref.token_ids] * 2, [o.error for o in outs]
+        after = cl.dp_stats()[0]
+        assert after.coordinator != before.coordinator  # it was restarted...
+        assert after.epoch == before.epoch and after.members == [0, 1] and after.rejoins == 2, after
+        assert after.restarts == 0  # ...and the group it adopted went on
+        cl.check_memory()
+
+
+def test_a_lost_wave_request_is_retried(ray_local, model_dirs):
+    path = model_dirs["stories"]
+    ref = Engine(model_path=path).generate(prompt="Once upon a time", sampling_params=GREEDY)
+    with dp_cluster(path) as cl:
+        coord = cl.coordinators[0]
+        cl.generate(prompt="The cat", sampling_params=GREEDY)
+        _wait_idle(cl)
+        asked = sum(e.dp.wave_requests for e in cl.stats().engines)
+        assert ray.get(coord.drop_wave_requests_for_tests.remote(1)) == 0
+        out = _timed(cl, ["Once upon a time"], GREEDY, within_s=30)[0]
+        assert out.token_ids == ref.token_ids, out.error
+        assert ray.get(coord.drop_wave_requests_for_tests.remote(0)) == 0  # the request was lost...
+        assert sum(e.dp.wave_requests for e in cl.stats().engines) >= asked + 2  # ...and asked again
+        cl.check_memory()
+
+
+def test_a_stalled_group_fails_and_restarts(ray_local, model_dirs):
+    """No wave comes however often a member asks: after the stall bound (30 s) the member fails
+    its health check and exits, its request ends with an error instead of waiting for
+    request_timeout_s, and the group restarts and serves again."""
+    path = model_dirs["stories"]
+    ref = Engine(model_path=path).generate(prompt="Once upon a time", sampling_params=GREEDY)
+    cfg = ClusterConfig(model_path=path, num_engines=2, routing="round_robin", dp_attention=True,
+                        health_check_period_s=0.5)
+    with Cluster(cfg) as cl:
+        coord = cl.coordinators[0]
+        cl.generate(prompt="The cat", sampling_params=GREEDY)
+        _wait_idle(cl)
+        ray.get(coord.drop_wave_requests_for_tests.remote(1_000_000))
+        t0 = time.monotonic()
+        out = _timed(cl, ["Once upon a time"], GREEDY, within_s=90)[0]
+        assert out.error and not out.token_ids, out
+        assert 25 < time.monotonic() - t0 < 90  # the stall bound, not request_timeout_s
+        ray.get(coord.drop_wave_requests_for_tests.remote(0))
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (all(cl.healthy()) and len(cl.dp_stats()[0].members) == 2):
+            time.sleep(0.5)
+        assert cl.dp_stats()[0].restarts >= 1
+        outs = _timed(cl, ["Once upon a time"] * 2, GREEDY, within_s=90)
+        assert [o.token_ids for o in outs] == [ref.token_ids] * 2, [o.error for o in outs]
