@@ -152,5 +152,5 @@ def test_expert_tokens_on_metrics():
     stats = ClusterStats(engines=engines, routing=routing)
     text = ServerMetrics().render(stats)
     assert "# TYPE radixray_engine_expert_tokens_total counter" in text
-    assert 'radixray_engine_expert_tokens_total{engine="0",expert="0"} 5' in text
-    assert 'radixray_engine_expert_tokens_total{engine="1",expert="1"} 7' in text
+    assert 'radixray_engine_expert_tokens_total{engine="0",expert="0",replica="local"} 5' in text
+    assert 'radixray_engine_expert_tokens_total{engine="1",expert="1",replica="local"} 7' in text

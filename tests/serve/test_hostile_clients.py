@@ -52,7 +52,7 @@ def assert_healthy_and_clean(base: str, engines) -> list[EngineStats]:
 def metric(base: str, status: str) -> int:
     text = httpx.get(f"{base}/metrics").text
     return int(next(line for line in text.splitlines()
-                    if line.startswith(f'radixray_requests_total{{status="{status}"}}')).split()[-1])
+                    if line.startswith(f'radixray_requests_total{{status="{status}",')).split()[-1])
 
 
 def assert_error_shape(r: httpx.Response, status: int, param: str | None = None) -> dict:

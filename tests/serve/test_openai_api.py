@@ -134,13 +134,19 @@ def test_auth_and_size_limits(server):
 
 
 def test_health_and_metrics(server):
+    """/metrics answers without the API key (Prometheus scrapes it as vLLM's), while the API
+    behind the key refuses the same anonymous client; every sample names its front end."""
     assert httpx.get(f"{server[0]}/health").status_code == 200
-    text = httpx.get(f"{server[0]}/metrics").text
+    assert httpx.get(f"{server[0]}/v1/models").status_code == 401
+    r = httpx.get(f"{server[0]}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text, replica = r.text, r.headers["x-radixray-frontend"]
     for name in ("radixray_requests_total", "radixray_time_to_first_token_seconds_bucket",
                  "radixray_inter_token_latency_seconds_count", "radixray_generation_tokens_total",
                  "radixray_engine_waiting_requests", "radixray_engine_kv_usage_ratio", "radixray_engine_cache_hit_rate"):
         assert name in text
-    assert 'radixray_engine_healthy{engine="1"} 1' in text
+    assert f'radixray_engine_healthy{{engine="1",replica="{replica}"}} 1' in text
+    assert all(line.startswith("#") or f'replica="{replica}"}} ' in line for line in text.splitlines())
 
 
 async def _stream_one(session, url: str, i: int) -> tuple[int, str, str | None, int]:
