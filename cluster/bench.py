@@ -645,12 +645,14 @@ async def _sse_load(url: str, bodies: list[dict]) -> dict:
 
 
 def _metric_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text page."""
-    out = {}
+    """Samples of a Prometheus text page by family name (labels dropped: one front end, one
+    sample per family; several would add up)."""
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
+        name, _, value = line.rpartition(" ")
+        name = name.split("{")[0]
         if name in names:
-            out[name] = float(value)
+            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
