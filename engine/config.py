@@ -10,6 +10,7 @@ import msgspec
 
 from engine.builtin_model import resolve_model_path
 from engine.errors import ConfigError
+from engine.limits import RequestLimits
 
 SchedulePolicy = Literal["fcfs", "lpm"]
 SpeculativeAlgorithm = Literal["ngram", "draft_model"]
@@ -91,6 +92,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     new_token_ratio_decay: float = 0.001
     seed: int = 0
     torch_threads: int | None = None
+    # The request limits this engine checks (stop lists, prompt characters): engine/limits.py.
+    # The cluster sets it (ClusterConfig.limits).
+    limits: RequestLimits = RequestLimits()
     # Attention-DP with an MoE model: each member holds E/G whole experts (expert parallelism) or
     # a 1/G slice of every expert's intermediate dim. The cluster sets it (ClusterConfig.moe_split).
     moe_split: MoeSplit = "experts"

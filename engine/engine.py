@@ -127,7 +127,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.model_runner, self.eos_ids, self.tokenizer.decode)
         mr = self.model_runner
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, mr.max_context_len,
-                                     mr.max_total_tokens, eos_token_ids=self.eos_ids)
+                                     mr.max_total_tokens, eos_token_ids=self.eos_ids, limits=self.config.limits)
         self.tokenize = self.inputs.tokenize
         self._rng = random.Random(self.config.seed)
         self._rid_counter = itertools.count()
