@@ -51,6 +51,7 @@ from cluster.config import ClusterConfig
 from cluster.openai_params import NamedToolChoice, OpenAISampling, OpenAITools, Tool
 from cluster.tool_parsers import TOOL_PARSERS, JsonArrayToolParser, ToolParser, parser_for
 from engine.errors import ConfigError, InvalidRequestError
+from engine.limits import DEFAULT_LIMITS, RequestLimits
 from engine.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
@@ -293,14 +294,20 @@ class PromptFiles(FileBasedDatasource):
 
 
 # ---- parsing and validation --------------------------------------------------------------------
-def parse_row(raw: str, src: str, model_name: str,
-              tool_call_parser: str | None = None) -> tuple[str, BatchLine | None, str | None]:
+def parse_row(raw: str, src: str, model_name: str, tool_call_parser: str | None = None,
+              limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, BatchLine | None, str | None]:
     """-> (id, parsed row or None, error or None). A row with no usable id is named by src.
-    `tool_call_parser`: the job's, for rows with tool_choice "auto"."""
+    `tool_call_parser`: the job's, for rows with tool_choice "auto". A line over
+    limits.max_body_bytes is not parsed; the stop lists are checked before they are copied."""
+    limit = limits.max_body_bytes
+    if len(raw) > limit or (4 * len(raw) > limit and len(raw.encode("utf-8", "surrogatepass")) > limit):
+        return src, None, f"a line over {limit} bytes (limit max_body_bytes={limit})"
     try:
         obj = json.loads(raw)
     except ValueError as e:
         return src, None, f"invalid JSON: {e}"
+    except RecursionError:
+        return src, None, "invalid JSON: nested too deeply"
     rid = src
     if isinstance(obj, dict) and isinstance(obj.get("id"), str | int) and not isinstance(obj.get("id"), bool):
         rid = str(obj["id"])
@@ -313,6 +320,7 @@ def parse_row(raw: str, src: str, model_name: str,
     if line.model is not None and line.model != model_name:
         return rid, None, f"model {line.model!r} does not exist (running {model_name!r})"
     try:
+        limits.check_stops(line.stop, line.stop_token_ids)
         line.params()
         parser_for(line.tool_mode, tool_call_parser)
     except InvalidRequestError as e:
@@ -464,7 +472,8 @@ class Preprocess:
                           model_cfg.max_position_embeddings)
             # The engine's KV pool is at least the context unless set lower; the engine re-checks.
             pool = cfg.max_total_tokens or max_ctx + 1
-            self._inputs = InputProcessor(Tokenizer(cfg.model_path), model_cfg.vocab_size, max_ctx, pool)
+            self._inputs = InputProcessor(Tokenizer(cfg.model_path), model_cfg.vocab_size, max_ctx, pool,
+                                          limits=cfg.limits)
         return self._inputs
 
     def __call__(self, block: pa.Table) -> Iterator[pa.Table]:
@@ -480,8 +489,9 @@ class Preprocess:
         import ray
 
         model_name = served_model_name(self.engine_config.get("model_path"))
+        inputs = self._processor()
         srcs = batch.column("src").to_pylist()
-        parsed = [parse_row(raw, src, model_name, self.tool_call_parser)
+        parsed = [parse_row(raw, src, model_name, self.tool_call_parser, inputs.limits)
                   for src, raw in zip(srcs, batch.column("row").to_pylist())]
         digests = id_digests([rid for rid, _, _ in parsed])
         done = ray.get(self.done_ref[0])  # a view of the object store's copy
@@ -498,7 +508,7 @@ class Preprocess:
             parsed = [p if own else (src, None, f"duplicate id {p[0]!r}: ids must be unique; only the "
                                                 "first row read with it is run")
                       for p, src, own in zip(parsed, srcs, owns)]
-        inputs, encoder = self._processor(), msgspec.msgpack.Encoder()
+        encoder = msgspec.msgpack.Encoder()
         failed: list[tuple[str, str]] = []
         work: list[tuple[list[int], str, bytes, str | None, str | None]] = []
         for rid, line, err in parsed:
@@ -571,7 +581,10 @@ class Generate:
             pending.append((i, deltas, done))
         await asyncio.gather(*(done for _, _, done in pending))
         for i, deltas, _ in pending:
-            rows[i] = result_row(ids[i], deltas, prompts[i], echoes[i], _tool_parser(parsers[i]))
+            try:
+                rows[i] = result_row(ids[i], deltas, prompts[i], echoes[i], _tool_parser(parsers[i]))
+            except Exception as e:  # one row's output failing fails that row, never its window
+                rows[i] = ResultRow(id=ids[i], error=f"output failed: {type(e).__name__}: {e}")
         return pa.Table.from_pylist([msgspec.structs.asdict(r) for r in rows], schema=RESULT_SCHEMA)
 
 
@@ -763,7 +776,8 @@ def run_driver_loop(cfg: ClusterConfig, input_path: str, output_path: str, max_i
     with open(input_path) as f, open(output_path, "w") as out:
         for lineno, raw in enumerate(f, 1):
             if raw.strip():
-                rid, line, err = parse_row(raw, f"line-{lineno}", served_model_name(cfg.model_path))
+                rid, line, err = parse_row(raw, f"line-{lineno}", served_model_name(cfg.model_path),
+                                           limits=cfg.limits)
                 if err is None:
                     todo.append((rid, line))
                 else:

@@ -8,6 +8,7 @@ import argparse
 from cluster.config import ENGINE_OWN_FIELDS, ClusterConfig
 from engine.config import EngineConfig
 from engine.flags import add_struct_flags, given
+from engine.limits import RequestLimits
 
 RENAMES = {"model_path": "model", "num_engines": "engines"}  # the short flags users know
 HELP = {  # where the default says too little
@@ -24,6 +25,8 @@ def add_cluster_flags(ap: argparse.ArgumentParser) -> tuple[list[str], list[str]
     """ClusterConfig's and EngineConfig's fields as flags; returns (cluster fields, engine fields)."""
     cluster = add_struct_flags(ap.add_argument_group("cluster options (ClusterConfig)"), ClusterConfig,
                                skip=("engine",), renames=RENAMES, help=HELP)
+    # Flat flags (--max-body-bytes, ...); ClusterConfig.from_kwargs files them under `limits`.
+    cluster += add_struct_flags(ap.add_argument_group("request limits (RequestLimits)"), RequestLimits)
     engine = add_struct_flags(ap.add_argument_group("engine options (EngineConfig)"), EngineConfig,
                               skip=ENGINE_OWN_FIELDS, help=HELP)
     return cluster, engine

@@ -195,7 +195,8 @@ class Cluster:
                 raise TimeoutError("no engine joined the fleet in time")
         infos = self.infos
         self.inputs = InputProcessor(self.tokenizer, ModelConfig.from_dir(model_path).vocab_size,
-                                     min(i.max_context_len for i in infos), min(i.max_total_tokens for i in infos))
+                                     min(i.max_context_len for i in infos), min(i.max_total_tokens for i in infos),
+                                     limits=cfg.limits)
         self._health = threading.Thread(target=self._health_loop, name="radixray-health", daemon=True)
         self._health.start()
 

@@ -12,9 +12,10 @@ from engine import EngineConfig
 from engine.builtin_model import BUILTIN_MODELS
 from engine.config import MOE_SPLITS, ModelConfig, MoeSplit, build_config
 from engine.errors import ConfigError
+from engine.limits import RequestLimits
 
 # EngineConfig fields the cluster sets for every engine itself (not per-engine overrides).
-ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads", "moe_split")
+ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads", "moe_split", "limits")
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -41,6 +42,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # parallelism; num_experts must divide by G), "intermediate" a slice of every expert.
     moe_split: MoeSplit = "experts"
     address: str | None = None  # Ray address; None: RAY_ADDRESS or a new local cluster
+    # Request size limits (engine/limits.py), checked before any work is done for a request: by
+    # every engine, the front ends and the batch job. Their flat names (max_body_bytes, ...) are
+    # accepted beside this struct's own (CLI flags, YAML args).
+    limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -87,10 +92,17 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     @classmethod
     def from_kwargs(cls, strict: bool = True, **kwargs: Any) -> ClusterConfig:
+        """The limits may come flat (max_body_bytes=...) or as `limits` (a dict or a RequestLimits)."""
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k in RequestLimits.__struct_fields__}
+        if flat:
+            base = kwargs.get("limits") or {}
+            if isinstance(base, RequestLimits):
+                base = msgspec.structs.asdict(base)
+            kwargs["limits"] = {**base, **flat}
         return build_config(cls, "cluster", kwargs, strict)
 
     def engine_config(self, device: str | None = None) -> EngineConfig:
         threads = self.torch_threads_per_engine or max(1, int(-(-self.cpus_per_engine // 1)))
         return EngineConfig.from_kwargs(**{**self.engine, "model_path": self.model_path,
                                            "device": device or self.device, "torch_threads": threads,
-                                           "moe_split": self.moe_split})
+                                           "moe_split": self.moe_split, "limits": self.limits})

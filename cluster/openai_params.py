@@ -209,7 +209,7 @@ def message_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(args, str):
             try:
                 parsed = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):  # not an object the template can take: left as text
                 parsed = None
             if isinstance(parsed, dict):
                 fn["arguments"] = parsed

@@ -101,7 +101,8 @@ class ToolParser(ABC):
     """The contract: `stream()` -> a fresh ToolCallStream for one output; `parse(text)` -> the
     ParsedOutput of a whole output, the same content and calls the stream gives, except that a
     call that is not complete JSON with a string name and an object of arguments makes the whole
-    text content with no calls (as vLLM's parsers do)."""
+    text content with no calls (as vLLM's parsers do); JSON nested too deeply for `json` is no
+    call either, streamed or not."""
 
     name: ClassVar[str]
 
@@ -123,7 +124,7 @@ class ToolParser(ABC):
         for call_id, name, arguments in calls.values():
             try:
                 valid = isinstance(json.loads(arguments), dict)
-            except ValueError:
+            except (ValueError, RecursionError):  # deep nesting too: then it is text, not a call
                 valid = False
             if not valid:
                 return ParsedOutput(content=text or None, tool_calls=[])
@@ -226,7 +227,7 @@ class _CallObject:
     def _loads(self, start: int, end: int) -> Any:
         try:
             return json.loads(self.text[start:end])
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON we take (too deep too): no name, no arguments
             return None
 
     @property

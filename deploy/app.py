@@ -6,6 +6,7 @@ engine deployment (deploy/engines.py), found through the Fleet registry.
 
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -39,11 +40,11 @@ from deploy.protocol import (
 from engine import EngineConfig, InvalidRequestError, SamplingParams, StreamDelta
 from engine.config import build_config
 from engine.errors import ConfigError, invalid_request_from
+from engine.limits import RequestLimits
 from engine.logs import log_to_stderr
 
 log = logging.getLogger("radixray.http")
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 # The deployments' shape, not the replicas' arguments: changing them rescales (or re-tunes the
 # autoscalers) instead of restarting every replica with new arguments.
 FLEET_SIZE_FIELDS = ("num_engines", "frontends", "max_frontends", "min_engines", "max_engines",
@@ -58,7 +59,6 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     api_key: str | None = None  # or RADIXRAY_API_KEY in the replica's environment
     served_model_name: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int = 256
     # How tool calls are parsed out of chat outputs for tool_choice "auto" (cluster.tool_parsers:
     # the same names as TOOL_PARSERS); None: "auto" with tools is refused.
@@ -71,7 +71,8 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
     """What the app is built from: a ClusterConfig, the HTTP options and the fleet's shape,
     nested. Its flat form (YAML `args`, `serve run ... key=value`, the CLI) uses their field
-    names side by side, with EngineConfig's fields flat or under `engine`."""
+    names side by side, with EngineConfig's fields flat or under `engine` and the request limits
+    (RequestLimits: max_body_bytes, ...) flat or under `limits`."""
 
     cluster: ClusterConfig
     http: HTTPOptions
@@ -81,7 +82,7 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
     def flat_fields(cls) -> set[str]:
         engine = set(EngineConfig.__struct_fields__) - set(ENGINE_OWN_FIELDS)
         return (set(ClusterConfig.__struct_fields__) | set(HTTPOptions.__struct_fields__)
-                | set(FleetOptions.__struct_fields__) | engine)
+                | set(FleetOptions.__struct_fields__) | set(RequestLimits.__struct_fields__) | engine)
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> "AppArgs":
@@ -118,6 +119,23 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 ERROR_STATUS = MappingProxyType({"invalid_request": (400, "invalid_request_error"), "overloaded": (503, "server_error"),
                 "timeout": (504, "server_error"), "aborted": (503, "server_error"),
                 "engine_error": (500, "server_error"), "draining": (503, "server_error")})
+
+
+def invalid_response(e: InvalidRequestError) -> JSONResponse:
+    """A 400 naming the parameter (and, for a request over a limit, the limit: code limit_exceeded)."""
+    return error_response(400, str(e), param=e.param, code=getattr(e, "code", None))
+
+
+async def read_body(request: Request, limit: int) -> bytearray | None:
+    """The body as it arrives, or None as soon as more than `limit` bytes have come: a body without
+    Content-Length (chunked) is cut there too, and the rest of it is never read or held."""
+    body = bytearray()
+    async with contextlib.aclosing(request.stream()) as chunks:
+        async for chunk in chunks:
+            if len(body) + len(chunk) > limit:
+                return None
+            body += chunk
+    return body
 
 
 def delta_error_response(delta: StreamDelta) -> JSONResponse:
@@ -267,9 +285,17 @@ class OpenAIServer:
         self.metrics = ServerMetrics(serve.get_replica_context().replica_id.unique_id)
         self.engine_stats = StatsCache(self._fetch_stats, self.http.metrics_refresh_s)
         self.encoder = msgspec.json.Encoder()  # one per replica: reused by every event
+        self.limits = self.args.cluster.limits
+        # Tokenization and chat templates run here, off the event loop (a long prompt would stall
+        # every stream of this replica), at most tokenize_threads at once.
+        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(self.limits.tokenize_threads,
+                                                                   thread_name_prefix="radixray-tokenize")
         self.created = int(time.time())
 
     def __del__(self) -> None:  # Serve calls it when the replica stops (the engines stay)
+        pool = getattr(self, "tokenize_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         cluster = getattr(self, "cluster", None)
         if cluster is not None:
             cluster.shutdown()
@@ -279,12 +305,13 @@ class OpenAIServer:
         """Size, auth and body checks; returns the parsed body or an error response."""
         if not bearer_ok(request, self.http.api_key):
             return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        limit = self.limits.max_body_bytes
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.http.max_body_bytes:
-            return error_response(413, f"request body over {self.http.max_body_bytes} bytes", code="body_too_large")
-        body = await request.body()
-        if len(body) > self.http.max_body_bytes:
-            return error_response(413, f"request body over {self.http.max_body_bytes} bytes", code="body_too_large")
+        too_large = length is not None and length.isdigit() and int(length) > limit
+        body = None if too_large else await read_body(request, limit)
+        if body is None:
+            return error_response(413, f"request body over {limit} bytes (limit max_body_bytes={limit})",
+                                  code="body_too_large")
         try:
             parsed = msgspec.json.decode(body, type=schema)
             parsed.validate()
@@ -440,10 +467,14 @@ class OpenAIServer:
         req = await self._read(request, TokenizeRequest)
         if isinstance(req, Response):
             return req
+        prompt = req.prompt_input()
         try:
-            ids = self.cluster.inputs.tokenize(**req.prompt_input())
+            self.cluster.inputs.check_prompt_chars(prompt.get("prompt"), prompt.get("messages"), prompt.get("tools"))
+            ids = await self._off_loop(self.cluster.inputs.tokenize, **prompt)
         except InvalidRequestError as e:
-            return error_response(400, str(e), param=e.param)
+            return invalid_response(e)
+        except RecursionError:  # a chat template over deeply nested content
+            return error_response(400, "request nested too deeply")
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.cluster.inputs.max_len})
 
     @app.post("/detokenize")
@@ -455,7 +486,8 @@ class OpenAIServer:
             self.cluster.inputs.validate_input_ids(req.tokens)
         except InvalidRequestError as e:
             return error_response(400, str(e).replace("the prompt", "tokens"), param="tokens")
-        return JSONResponse({"prompt": self.cluster.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+        text = await self._off_loop(self.cluster.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -477,16 +509,18 @@ class OpenAIServer:
         if isinstance(req, Response):
             return self._rejected(rid, req)
         try:
+            # The limits first, cheapest first: nothing is copied, tokenized or queued for a
+            # request over one of them.
+            self.limits.check_stops(req.stop, req.stop_token_ids)
             params = req.sampling(self.http.default_max_tokens)
+            self.limits.check_choices(req.num_prompts(), req.n)
             parser = parser_for(req.tool_mode, self.http.tool_call_parser) if chat else None
             prompts = req.prompts()
-            inputs = [self.cluster.inputs.tokenize(**p) for p in prompts]
-            if isinstance(parser, JsonArrayToolParser):
-                self._compile_tool_schema(params)
-            for ids in inputs:
-                self.cluster.inputs.validate_request(len(ids), params)
+            for p in prompts:
+                self.cluster.inputs.check_prompt_chars(p.get("prompt"), p.get("messages"), p.get("tools"))
+            inputs = await self._off_loop(self._tokenize_and_check, prompts, params, parser)
         except InvalidRequestError as e:
-            return self._rejected(rid, error_response(400, str(e), param=e.param))
+            return self._rejected(rid, invalid_response(e))
         except RecursionError:  # a chat template over deeply nested content
             return self._rejected(rid, error_response(400, "request nested too deeply"))
         if (busy := self._no_engine()) is not None:
@@ -503,6 +537,22 @@ class OpenAIServer:
         choices = [(ids, self._choice_params(params, j, share_prompt_logprobs=not req.stream))
                    for ids in inputs for j in range(req.n)]
         return await self._respond(request, req, rid, obj, choices, out)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn on the tokenizer pool (bounded: tokenize_threads at once): the event loop, and every
+        stream it serves, goes on meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, lambda: fn(*args, **kwargs))
+
+    def _tokenize_and_check(self, prompts: list[dict[str, Any]], params: SamplingParams,
+                            parser: Any) -> list[list[int]]:
+        """On the tokenizer pool: chat templates, tokenization, the tool schema and the per-prompt
+        checks (context, vocabulary, grammar)."""
+        inputs = [self.cluster.inputs.tokenize(**p) for p in prompts]
+        if isinstance(parser, JsonArrayToolParser):
+            self._compile_tool_schema(params)
+        for ids in inputs:
+            self.cluster.inputs.validate_request(len(ids), params)
+        return inputs
 
     @staticmethod
     def _choice_params(params: SamplingParams, j: int, share_prompt_logprobs: bool) -> SamplingParams:
@@ -550,7 +600,12 @@ class OpenAIServer:
         except ClientDisconnected:
             self._client_left(rid, len(choices))
             return Response(status_code=499)  # nobody reads it
-        except BaseException:  # cancelled: the client timed out or went away
+        except Exception as e:  # a failure here, not a client that left
+            log.exception("request %s failed", rid)
+            self.metrics.requests["error"] += len(choices)
+            return error_response(500, f"the request failed: {type(e).__name__}: {e}", "server_error",
+                                  code="internal_error")
+        except BaseException:  # cancelled: the client timed out or went away, or a shutdown
             self._client_left(rid, len(choices))
             raise
         finally:
@@ -596,7 +651,7 @@ class OpenAIServer:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
         last_write = time.monotonic()
-        completed = False
+        failure: Exception | None = None
         try:
             async with contextlib.aclosing(self._merged(rid, choices, watch)) as merged:
                 async for i, d in merged:
@@ -634,15 +689,27 @@ class OpenAIServer:
                     last_write = now
                     for part in parts:
                         yield chunk([part])
-            completed = True
         except ClientDisconnected:
+            self._client_left(rid, n)
             return  # the client is gone: nothing more to write
-        finally:
-            if not completed:
-                self._client_left(rid, n)
+        except Exception as e:  # a failure here, not a client that left: the stream ends with an error
+            failure = e
+            log.exception("request %s failed while streaming", rid)
+        except BaseException:  # cancelled (a client timeout, a shutdown), or closed at a yield (a failed write)
+            self._client_left(rid, n)
+            raise
+        ended = 0
         for last, tokens in zip(lasts, generated):
-            if last is not None:
+            if last is not None and (failure is None or last.finish_reason is not None):
                 self._record(last, tokens)
+                ended += 1
+        if failure is not None:
+            self.metrics.requests["error"] += n - ended  # the choices it left without an end
+            yield b"data: " + encode({"error": {"message": f"the stream failed: {type(failure).__name__}: {failure}",
+                                                "type": "server_error", "param": None,
+                                                "code": "internal_error"}}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            return
         if req.include_usage:
             yield chunk([], self._usage(lasts, group))
         yield b"data: [DONE]\n\n"

@@ -45,6 +45,11 @@ class _Common(OpenAISampling, kw_only=True):
             raise InvalidRequestError("prompt_logprobs are not available when streaming (as in vLLM)",
                                       "prompt_logprobs")
 
+    def num_prompts(self) -> int:
+        """How many prompts the body holds, counted without building them (the limits are checked
+        on it first)."""
+        return 1
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -66,8 +71,14 @@ class CompletionRequest(_Common, kw_only=True):
             params = msgspec.structs.replace(params, prompt_logprobs=max(n, self.prompt_logprobs or 0))
         return params
 
+    def num_prompts(self) -> int:
+        p = self.prompt
+        if isinstance(p, str) or not p or (isinstance(p[0], int) and not isinstance(p[0], bool)):
+            return 1  # a string, or one prompt of token ids (an empty list is refused by prompts())
+        return len(p)
+
     def prompts(self) -> list[dict[str, Any]]:
-        """One dict of Engine-style input per choice."""
+        """One dict of Engine-style input per prompt."""
         p = self.prompt
         if isinstance(p, str):
             return [{"prompt": p}]

@@ -13,14 +13,17 @@ import msgspec
 
 from engine.errors import InvalidRequestError, invalid_request_from
 from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, create_grammar_backend
+from engine.limits import DEFAULT_LIMITS, RequestLimits, count_chars
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_context_len: int, max_total_tokens: int,
-                 eos_token_ids: Iterable[int] | None = None, grammar_backend: str = "llguidance") -> None:
+                 eos_token_ids: Iterable[int] | None = None, grammar_backend: str = "llguidance",
+                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
         self.tokenizer = tokenizer
+        self.limits = limits  # the stop lists and prompt characters are checked here
         self.vocab_size = vocab_size
         # A request must fit the context and the KV pool (one slot stays free for padding).
         self.max_len = min(max_context_len, max_total_tokens - 1)
@@ -63,7 +66,9 @@ class InputProcessor:
 
     def tokenize(self, prompt: str | None = None, input_ids: list[int] | None = None,
                  messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
-        """`tools` (with messages): the tool definitions the chat template renders."""
+        """`tools` (with messages): the tool definitions the chat template renders. A prompt over
+        the character limit is refused before any of it is tokenized."""
+        self.check_prompt_chars(prompt, messages, tools)
         if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
             raise InvalidRequestError("give exactly one of prompt, input_ids or messages", "prompt")
         if tools is not None and messages is None:
@@ -81,6 +86,14 @@ class InputProcessor:
         self.validate_input_ids(ids)
         return list(ids)
 
+    def check_prompt_chars(self, prompt: Any = None, messages: Any = None, tools: Any = None) -> None:
+        """The characters of a text prompt, or of a chat's messages and tools, against
+        limits.max_prompt_chars: cheap, so callers run it before they hand tokenization elsewhere."""
+        if isinstance(prompt, str):
+            self.limits.check_prompt_chars(len(prompt))
+        elif messages is not None:
+            self.limits.check_prompt_chars(count_chars(messages) + count_chars(tools), "messages")
+
     def validate_input_ids(self, ids: Any) -> None:
         if not isinstance(ids, list | tuple) or not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
@@ -89,7 +102,9 @@ class InputProcessor:
             raise InvalidRequestError(f"token ids must be integers in [0, {vocab})", "prompt")
 
     def validate_request(self, num_input: int, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the context limit and the vocabulary."""
+        """What SamplingParams cannot check alone: the request limits, the context limit and the
+        vocabulary."""
+        self.limits.check_stops(params.stop, params.stop_token_ids)
         vocab = self.vocab_size
         if params.top_k > vocab:
             raise InvalidRequestError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}",

@@ -30,7 +30,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    # A set: every step looks each request's new token up in it. Its size is a request limit
+    # (engine/limits.py), as are the stop strings' count and length.
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
@@ -50,8 +52,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         # Direct construction skips msgspec's type checks: normalise and re-check here.
         if isinstance(self.stop, str):
             msgspec.structs.force_setattr(self, "stop", (self.stop,))
-        for name in ("stop", "stop_token_ids"):
-            msgspec.structs.force_setattr(self, name, tuple(getattr(self, name) or ()))
+        msgspec.structs.force_setattr(self, "stop", tuple(self.stop or ()))
+        stop_ids = self.stop_token_ids if isinstance(self.stop_token_ids, frozenset) else tuple(self.stop_token_ids or ())
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise InvalidRequestError("stop_token_ids must be integers", "stop_token_ids")
+        msgspec.structs.force_setattr(self, "stop_token_ids", frozenset(stop_ids))
         if isinstance(self.logit_bias, dict):
             msgspec.structs.force_setattr(self, "logit_bias", tuple(self.logit_bias.items()))
         msgspec.structs.force_setattr(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias or ()))
@@ -61,8 +66,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise InvalidRequestError(f"{name} has the wrong type: {type(v).__name__}", name)
             if float in kinds and not _is_finite(v):
                 raise InvalidRequestError(f"{name} must be a finite number, got {v}", name)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be integers", "stop_token_ids")
         if 0.0 < self.temperature < TEMPERATURE_EPS:
             msgspec.structs.force_setattr(self, "temperature", 0.0)
         if self.seed is not None:  # any integer seeds a 64-bit generator
@@ -88,7 +91,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         need(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]",
              "prompt_logprobs")
         need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty", "stop")
-        need(len(self.stop) <= 16, "at most 16 stop strings", "stop")
         need(all(len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
                  and isinstance(pair[1], int | float) and not isinstance(pair[1], bool) and _is_finite(pair[1])
                  and -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias),

@@ -14,6 +14,9 @@ from engine.builtin_model import resolve_model_path
 from engine.errors import ConfigError, InvalidRequestError
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# Longer texts are tokenized without holding the GIL, so a tokenizer thread does not stall the
+# others (a front end's event loop).
+LONG_TEXT_CHARS = 16384
 
 # Used when a checkpoint ships no chat template: plain "role: content" turns.
 FALLBACK_CHAT_TEMPLATE = (
@@ -65,7 +68,10 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > LONG_TEXT_CHARS:  # encode_batch releases the GIL while it runs; encode does not
+            ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.bos_token_id is not None:
             if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
                 ids = [self.bos_token_id] + ids

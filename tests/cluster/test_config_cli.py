@@ -16,7 +16,9 @@ from engine.errors import ConfigError
 def test_every_config_field_has_a_flag():
     ap = argparse.ArgumentParser()
     cluster, engine = add_cluster_flags(ap)
-    assert set(cluster) == set(ClusterConfig.__struct_fields__) - {"engine"}
+    from engine.limits import RequestLimits  # flat: --max-body-bytes, ... (ClusterConfig.limits)
+
+    assert set(cluster) == set(ClusterConfig.__struct_fields__) - {"engine", "limits"} | set(RequestLimits.__struct_fields__)
     assert set(engine) == set(EngineConfig.__struct_fields__) - set(ENGINE_OWN_FIELDS)
 
 

@@ -180,3 +180,41 @@ def test_prompt_logprobs_maps_to_sampling_params():
     with pytest.raises(InvalidRequestError) as e:
         msgspec.convert({"prompt_logprobs": 21}, OpenAISampling).sampling_params(8)
     assert e.value.param == "prompt_logprobs"
+
+
+# ---- JSON nested deeper than `json` goes: no call, never an exception --------------------------
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("parser,text", [
+    (HermesToolParser(), 'ok <tool_call>{"name": "f", "arguments": {"a": %s}}</tool_call>' % DEEP),
+    (HermesToolParser(), '<tool_call>{"name": %s, "arguments": {}}</tool_call>' % DEEP),
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": "%s"}</tool_call>' % DEEP.replace("]", "")),
+    (Llama3JsonToolParser(), '{"name": "f", "parameters": {"a": %s}}' % DEEP),
+    (JsonArrayToolParser(), '[{"name": "f", "arguments": {"a": %s}}]' % DEEP),
+    (JsonArrayToolParser(), '[{"name": %s, "arguments": {}}]' % DEEP),
+], ids=["hermes-args", "hermes-name", "hermes-string-args", "llama3-args", "array-args", "array-name"])
+def test_deeply_nested_arguments_are_text_not_a_failure(parser, text):
+    """json.loads raises RecursionError on such output (a client can force it with regex or ebnf
+    under tool_choice auto): the whole parse gives no call, the stream never raises."""
+    parsed = parser.parse(text)
+    assert parsed.tool_calls == [] and parsed.content
+    if "arguments\": {\"a\"" in text or "parameters\": {\"a\"" in text:
+        assert parsed.content == text  # a call whose arguments do not parse: all of it is content
+    for step in (len(text), 4096):
+        streamed(parser, text, step)  # does not raise
+
+
+def test_deep_arguments_in_a_batch_output_become_text_and_sent_back_ones_stay_text():
+    from cluster.batch import result_row
+    from cluster.openai_params import message_tool_calls
+    from engine.engine import StreamDelta
+
+    text = '[{"name": "f", "arguments": {"a": %s}}]' % DEEP
+    delta = StreamDelta(rid="r", text=text, token_ids=[1], finish_reason="stop", prompt_tokens=2,
+                        completion_tokens=1)
+    row = result_row("row-1", [delta], [1, 2], parser=JsonArrayToolParser())
+    assert row.error is None and row.tool_calls is None and row.text == text and row.finish_reason == "stop"
+    args = '{"a": %s}' % DEEP  # a client sends such a call back in an assistant message
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}
+    assert message_tool_calls([call])[0]["function"]["arguments"] == args
