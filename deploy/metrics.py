@@ -105,18 +105,20 @@ class StatsCache(Generic[T]):
     def __init__(self, fetch: Callable[[], Awaitable[T]], refresh_s: float) -> None:
         self.fetch, self.refresh_s = fetch, refresh_s
         self.refreshes = 0  # fetches started: what the engines were asked, whatever the scrapes
-        self._value: T | None = None
-        self._error: BaseException | None = None
-        self._at = -math.inf  # when the last fetch ended (time.monotonic)
+        self._outcome: tuple[T | None, Exception | None] | None = None  # (value, error) of the last fetch
+        self._at = -math.inf  # when it ended (time.monotonic)
         self._inflight: asyncio.Future[T] | None = None
 
     async def get(self) -> T:
-        if time.monotonic() - self._at < self.refresh_s:
-            if self._error is not None:
-                raise self._error
-            return self._value  # type: ignore[return-value]
+        if self._outcome is not None and time.monotonic() - self._at < self.refresh_s:
+            value, error = self._outcome
+            if error is not None:
+                raise error
+            return value  # type: ignore[return-value]
         if self._inflight is None:
             self._inflight = asyncio.ensure_future(self._refresh())
+            # Read its outcome even when every scrape waiting for it was cancelled.
+            self._inflight.add_done_callback(lambda f: f.cancelled() or f.exception())
         return await asyncio.shield(self._inflight)
 
     async def _refresh(self) -> T:
@@ -124,13 +126,12 @@ class StatsCache(Generic[T]):
         try:
             value = await self.fetch()
         except Exception as e:
-            self._error = e
+            self._outcome, self._at = (None, e), time.monotonic()
             raise
-        else:
-            self._value, self._error = value, None
-            return value
         finally:
-            self._at, self._inflight = time.monotonic(), None
+            self._inflight = None
+        self._outcome, self._at = (value, None), time.monotonic()
+        return value
 
 
 class ServerMetrics:
