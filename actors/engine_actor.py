@@ -9,12 +9,14 @@ import threading
 import time
 import uuid
 from collections import deque
+from itertools import islice
 
 import ray
 
 from actors.dp_coordinator import DPMember
 from actors.protocol import (
     EngineInfo,
+    Evictions,
     KVEventBatch,
     KVSnapshot,
     decode_request,
@@ -27,7 +29,10 @@ from engine.cache_manager import KVEvent
 from engine.engine import EngineStats
 from engine.logs import log_to_stderr
 
+# The eviction log every heartbeat reads from its own cursor: the newest paths, at most this
+# many and this many tokens in all (a path runs from the root to the evicted node's first token).
 MAX_PENDING_EVICTIONS = 4096
+MAX_PENDING_EVICTION_TOKENS = 1 << 20
 # KV events buffered for the kv_events() stream; past this the consumer is too slow: the buffer
 # is dropped and the consumer, seeing a gap in the sequence, resyncs from a snapshot.
 MAX_PENDING_KV_EVENTS = 65536
@@ -66,6 +71,35 @@ class _Channel:
             items, self.items = self.items, []
             self.ready.clear()
         return items
+
+
+class EvictionLog:
+    """The radix nodes an engine evicted, each as its token path up to the node's first token,
+    numbered from 1, the newest kept (bounded in paths and tokens). Readers keep their own
+    cursor (the seq they last got), so every reader sees every eviction; one whose next path
+    was dropped is told it fell behind."""
+
+    def __init__(self, max_paths: int = MAX_PENDING_EVICTIONS, max_tokens: int = MAX_PENDING_EVICTION_TOKENS) -> None:
+        self.paths: deque[list[int]] = deque()
+        self.max_paths, self.max_tokens = max_paths, max_tokens
+        self.tokens = 0
+        self.seq = 0  # of the newest path
+        self.lock = threading.Lock()
+
+    def append(self, path: list[int]) -> None:
+        with self.lock:
+            self.paths.append(path)
+            self.tokens += len(path)
+            self.seq += 1
+            while len(self.paths) > self.max_paths or (self.tokens > self.max_tokens and len(self.paths) > 1):
+                self.tokens -= len(self.paths.popleft())
+
+    def after(self, cursor: int) -> tuple[int, list[list[int]], bool]:
+        """The paths evicted after `cursor`: (the newest seq, those still held, whether any
+        after the cursor was dropped)."""
+        with self.lock:
+            skip = cursor - (self.seq - len(self.paths))  # held paths at or before the cursor
+            return self.seq, list(islice(self.paths, max(skip, 0), None)), skip < 0 or cursor > self.seq
 
 
 class _KVStream:
@@ -108,8 +142,8 @@ class EngineActor:
         self.dp: DPMember | None = None  # attention-DP: this engine's membership of its group
         shard = (dp["rank"], dp["size"]) if dp else (0, 1)
         self.engine = Engine(EngineConfig.from_kwargs(**engine_config), mlp_shard=shard)
-        # Evicted radix paths, for the router's cache-aware tree (drained by heartbeat()).
-        self._evicted: deque[list[int]] = deque(maxlen=MAX_PENDING_EVICTIONS)
+        # Evicted radix paths, for the routers' cache-aware trees (each reads them by heartbeat()).
+        self._evicted = EvictionLog()
         self.engine.scheduler.cache.subscribe(self._on_kv_event)
         # Multiplexed output channels (see outputs()), one per consumer (a front end): the
         # deltas of every request it submitted, drained per yield.
@@ -183,7 +217,7 @@ class EngineActor:
     def _on_kv_event(self, event: KVEvent) -> None:
         """Engine thread, under the step lock (so kv_snapshot() sees a consistent seq)."""
         if event.kind == "removed":
-            self._evicted.append(event.token_ids)
+            self._evicted.append(event.token_ids[:event.start + 1])
         with self._kv_lock:
             self._kv_seq += 1
             if not self._kv_streams:
@@ -330,13 +364,15 @@ class EngineActor:
             raise RuntimeError(f"engine {self.engine_id} is dead: {self.engine.dead}")
         return True
 
-    def heartbeat(self) -> list[list[int]]:
-        """Health check that also hands over the radix paths evicted since the last call."""
+    def heartbeat(self, after: int = -1, incarnation: str = "") -> bytes:
+        """Health check that also hands over the radix paths evicted after the caller's cursor
+        `after` (the seq of its last Evictions from this `incarnation`). A caller without one
+        (after < 0, or another instance's) gets none: only the cursor to start from."""
         self.check_health()
-        out = []
-        while self._evicted:  # popleft, not copy-then-clear: the engine thread appends meanwhile
-            out.append(self._evicted.popleft())
-        return out
+        if after < 0 or incarnation != self.incarnation:
+            return encode(Evictions(self.incarnation, self._evicted.seq, []))
+        seq, paths, lost = self._evicted.after(after)
+        return encode(Evictions(self.incarnation, seq, paths, lost))
 
     async def check_memory(self, timeout_s: float = 60.0) -> EngineStats:
         """Wait until the engine is idle, then check its memory invariant (raises if broken).

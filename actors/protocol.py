@@ -45,6 +45,19 @@ class KVSnapshot(msgspec.Struct, frozen=True, array_like=True):
     queued: list[list[int]] = []
 
 
+class Evictions(msgspec.Struct, frozen=True, array_like=True):
+    """A heartbeat's answer: the radix nodes one engine actor instance evicted after the
+    caller's cursor, up to eviction `seq` (the caller's next cursor), each as its token path
+    from the root to the node's first token (the engine holds nothing starting with it, and
+    keeps the path before it). `lost`: some were dropped before the caller asked (it fell
+    behind), so its view of the engine is wrong."""
+
+    incarnation: str
+    seq: int
+    paths: list[list[int]]
+    lost: bool = False
+
+
 _request_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(GenerateRequest)
 _delta_decoder = msgspec.msgpack.Decoder(StreamDelta)
@@ -73,6 +86,13 @@ def decode_kv_batch(data: bytes) -> KVEventBatch:
 
 def decode_kv_snapshot(data: bytes) -> KVSnapshot:
     return _kv_snapshot_decoder.decode(data)
+
+
+_evictions_decoder = msgspec.msgpack.Decoder(Evictions)
+
+
+def decode_evictions(data: bytes) -> Evictions:
+    return _evictions_decoder.decode(data)
 
 
 def decode_delta_batch(data: bytes) -> list[StreamDelta]:

@@ -31,6 +31,7 @@ from actors.protocol import (
     EngineInfo,
     GenerateRequest,
     decode_delta_batch,
+    decode_evictions,
     decode_kv_batch,
     decode_kv_snapshot,
     encode,
@@ -139,6 +140,7 @@ class _Engine:
     info: EngineInfo
     name: str
     consumers: list = field(default_factory=list)  # its output and KV event readers
+    first_beat: Any = None  # a heartbeat sent when it was added: where its evictions start for us
     retired: bool = False  # left the fleet: never routed to again
 
 
@@ -204,6 +206,8 @@ class Cluster:
         """Under self._lock: route to a new engine and start reading its output (and KV events)."""
         idx = self.router.add_engine(info.max_total_tokens)
         engine = _Engine(actor, info, name)
+        if not self.router.exact:  # its evictions count from now, before anything is routed there
+            engine.first_beat = actor.heartbeat.remote()
         self.engines.append(engine)
         coros = [self._consume(idx)] + ([self._follow_kv(idx)] if self.router.exact else [])
         engine.consumers = [asyncio.run_coroutine_threadsafe(c, self._loop) for c in coros]
@@ -309,21 +313,36 @@ class Cluster:
     # ---- health ----------------------------------------------------------------------------
     def _health_loop(self) -> None:
         period = self.config.health_check_period_s
+        # Per engine: (instance, seq) of the last eviction read there. Only the approximate trees
+        # need evictions: exact routing reads them with the other KV events.
+        cursors: dict[int, tuple[str, int]] = {}
         while not self._closed.wait(period):
             with self._lock:
-                live = [(i, e.actor) for i, e in enumerate(self.engines) if not e.retired]
-            refs = [(i, a.heartbeat.remote()) for i, a in live]
+                live = [(i, e.actor, e.first_beat) for i, e in enumerate(self.engines) if not e.retired]
+            refs = []
+            for i, actor, first in live:
+                if i not in cursors and first is not None:
+                    with contextlib.suppress(Exception):  # not healthy then: start from the next reply
+                        reply = decode_evictions(ray.get(first, timeout=max(2.0, 5 * period)))
+                        cursors[i] = (reply.incarnation, reply.seq)
+                incarnation, seq = cursors.get(i, ("", -1))
+                refs.append((i, actor.heartbeat.remote(seq, incarnation)))
             for i, ref in refs:
                 try:
-                    evicted = ray.get(ref, timeout=max(2.0, 5 * period))
-                    ok = True
+                    reply = decode_evictions(ray.get(ref, timeout=max(2.0, 5 * period)))
                 except Exception:  # dead, restarting or hung: out of routing until it answers
-                    evicted, ok = [], False
+                    reply = None
                 with self._lock:
                     if not self.engines[i].retired:
-                        self.router.set_healthy(i, ok)
-                    if evicted:
-                        self.router.evicted(i, evicted)
+                        self.router.set_healthy(i, reply is not None)
+                    if reply is None or self.router.exact:
+                        continue
+                    known = cursors.get(i)
+                    if reply.lost or (known is not None and known[0] != reply.incarnation):
+                        self.router.forget(i)  # evictions were missed: its tree would be wrong
+                    else:
+                        self.router.evicted(i, reply.paths)
+                    cursors[i] = (reply.incarnation, reply.seq)
 
     def healthy(self) -> list[bool]:
         """Per engine in the fleet (retired ones left out): routable or not."""

@@ -104,18 +104,37 @@ class PrefixTree:
         self._lru.pop(node, None)
         self.size -= len(node.key)
 
-    def remove(self, tokens: list[int]) -> None:
-        """An engine evicted this path: drop the tail of it that our tree holds as a leaf."""
+    def remove(self, path: list[int], start: int) -> None:
+        """The engine evicted path[start:] (a leaf of its tree, so it holds nothing that starts
+        with path[:start + 1]) and keeps path[:start]: drop the former, keep the latter."""
         node, i = self.root, 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None or tuple(tokens[i:i + len(child.key)]) != child.key:
+        while start < len(path):
+            child = node.children.get(path[i])
+            if child is None:
                 return
-            node, i = child, i + len(child.key)
-        while node is not self.root and not node.children:
-            parent = node.parent
-            self._drop(node)
-            node = parent
+            n = shared_len(child.key, path, i, start + 1)
+            if i + n <= start:  # the evicted part begins below this node
+                if n < len(child.key):  # we hold another path there
+                    return
+                node, i = child, i + n
+                continue
+            keep = start - i  # of this node's tokens, those before the evicted part
+            self._drop_below(child)
+            if keep:  # the node keeps its place in the order: it is a leaf now
+                self.size -= len(child.key) - keep
+                child.key = child.key[:keep]
+            else:
+                self._drop(child)
+            return
+
+    def _drop_below(self, node: _Node) -> None:
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            self._lru.pop(n, None)
+            self.size -= len(n.key)
+            stack.extend(n.children.values())
+        node.children = {}
 
     def trim(self, num_tokens: int) -> None:
         """Drop least recently used leaves until num_tokens are gone (or the tree is empty)."""
@@ -326,8 +345,10 @@ class Router:
             self.kv_index.in_flight[engine].discard(input_ids)
 
     def evicted(self, engine: int, paths: list[list[int]]) -> None:
+        """The engine evicted, for each path, the node that began at its last token."""
         for p in paths:
-            self.trees[engine].remove(p)
+            if p:
+                self.trees[engine].remove(p, len(p) - 1)
 
     def set_healthy(self, engine: int, healthy: bool) -> None:
         if not healthy and self.loads[engine].healthy:

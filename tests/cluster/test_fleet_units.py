@@ -1,4 +1,5 @@
-"""Units of the fleet: stream coalescing's merge, the autoscaling policy, the fleet options."""
+"""Units of the fleet: stream coalescing's merge, the autoscaling policy, the fleet options, the
+engines' eviction log that every front end reads."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from actors.engine_actor import EvictionLog
 from cluster.cluster import _merge_all
 from deploy.engines import EngineAutoscaler, FleetOptions
 from engine import StreamDelta
@@ -49,3 +51,29 @@ def test_fleet_options_are_checked():
     with pytest.raises(ConfigError, match="frontends"):
         FleetOptions(frontends=0)
     assert FleetOptions(min_engines=1, max_engines=4).autoscaled and not FleetOptions().autoscaled
+
+
+def test_every_reader_of_the_eviction_log_gets_every_eviction():
+    log = EvictionLog()
+    a = b = log.seq
+    for k in range(5):
+        log.append([k, k])
+        a, got, lost = log.after(a)  # one front end heartbeats after each eviction
+        assert got == [[k, k]] and not lost
+    b, got, lost = log.after(b)  # another, once: nothing was taken from it by the first
+    assert got == [[k, k] for k in range(5)] and not lost and a == b == 5
+    assert log.after(b) == (5, [], False)
+
+
+def test_the_eviction_log_is_bounded_and_a_reader_that_fell_behind_is_told():
+    log = EvictionLog(max_paths=3, max_tokens=100)
+    for k in range(4):
+        log.append([k])
+    assert log.after(0) == (4, [[1], [2], [3]], True)  # eviction 1 was dropped
+    assert log.after(1) == (4, [[1], [2], [3]], False)
+    assert log.after(7)[2]  # a cursor from some other instance cannot be trusted either
+    log = EvictionLog(max_paths=100, max_tokens=10)
+    for k in range(3):
+        log.append([k] * 4)
+    assert log.tokens == 8 and log.after(0) == (3, [[k] * 4 for k in range(3)][1:], True)  # 12 > 10 tokens
+    assert log.after(1) == (3, [[1] * 4, [2] * 4], False)

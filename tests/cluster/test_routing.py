@@ -79,20 +79,38 @@ def test_random_operations_keep_the_invariants():
         elif op < 0.85:
             t.match(rng.choice(paths))
         else:
-            t.remove(rng.choice(paths))
+            p = rng.choice(paths)
+            t.remove(p, rng.randrange(len(p)))
         assert t.size <= 200
         check_invariants(t)
 
 
-def test_remove_drops_only_a_leaf_tail():
+def test_remove_drops_what_the_engine_evicted_and_keeps_its_parent():
     t = PrefixTree(capacity=100)
     t.insert([1, 2, 3, 4])
     t.insert([1, 2, 5, 6])
-    t.remove([1, 2, 3, 4])
+    t.remove([1, 2, 3, 4], 2)  # the engine evicted [3, 4] below [1, 2]
     assert t.match([1, 2, 3, 4]) == 2 and t.match([1, 2, 5, 6]) == 4
-    t.remove([1, 2])  # not a leaf: kept
+    t.remove([1, 2, 5, 6, 7, 8], 4)  # its output tokens, which the tree never had: nothing to drop
     assert t.match([1, 2, 5, 6]) == 4
+    t.remove([1, 2, 5, 6, 7, 8], 3)  # a node that began inside ours: we keep the part before it
+    assert t.match([1, 2, 5, 6]) == 3 and t.size == 3
+    t.remove([9, 9], 0)  # never held
+    t.remove([1, 2, 5], 0)  # everything from the root
+    assert t.size == 0 and t.match([1]) == 0
     check_invariants(t)
+
+
+def test_evictions_of_longer_engine_paths_reach_the_tree():
+    """The engine caches prompt + output: its evicted path is longer than the prompt we routed."""
+    r = Router("cache_aware", 0)
+    engine = r.add_engine(2200)
+    prompt = list(range(1, 151))
+    r.pick(prompt, 160)
+    r.evicted(engine, [prompt + [7]])  # the output's node: the prompt stays
+    assert r.trees[engine].match(prompt) == 150
+    r.evicted(engine, [prompt[:1]])  # the node holding the prompt and its output
+    assert r.trees[engine].match(prompt) == 0
 
 
 def test_round_robin_and_least_load():

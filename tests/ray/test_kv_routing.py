@@ -1,7 +1,8 @@
 """Exact routing on the engines' KV events, on a real Ray cluster (CPU, random-weight model):
 requests sharing a prefix follow the engine that holds it; once that engine evicts the prefix
 the router knows it; a KV event lost on purpose makes the router resync from a snapshot; a
-request another front end sent is followed while it is still queued."""
+request another front end sent is followed while it is still queued; every front end's
+heartbeat gets every eviction (cache_aware's trees)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import uuid
 import pytest
 import ray
 
-from actors.protocol import GenerateRequest, decode_kv_snapshot, encode
+from actors.protocol import GenerateRequest, decode_evictions, decode_kv_snapshot, encode
 from cluster import Cluster, ClusterConfig
 from engine import SamplingParams
 
@@ -116,4 +117,36 @@ def test_a_request_from_another_front_end_is_followed_while_queued(ray_local, mo
                 ray.get(ref)
         wait_for(lambda: cl.router.kv_index.views[1].queued.root == {}, "the done events")
         wait_for(lambda: cl.router.kv_index.match(1, prompt) == len(prompt), "the stored event")
+        cl.check_memory()
+
+
+def test_every_front_end_gets_every_eviction(ray_local, model_dirs):
+    """The cluster's health loop and two more readers (other front ends) heartbeat the same
+    engine: each gets every eviction, whoever asks first; the cluster's tree drops every
+    prefix the engine evicted."""
+    cfg = ClusterConfig(model_path=model_dirs["llama"], num_engines=1, routing="cache_aware",
+                        health_check_period_s=0.1, engine={"max_total_tokens": 600})
+    with Cluster(cfg) as cl:
+        actor = cl.actors[0]
+        with cl._lock:  # the tree forgets only what the engine evicted, never by its own LRU trim
+            cl.router.trees[0].capacity = 1 << 20
+
+        def heartbeat(cursor: tuple[str, int]) -> tuple[tuple[str, int], list[list[int]]]:
+            reply = decode_evictions(ray.get(actor.heartbeat.remote(cursor[1], cursor[0])))
+            assert not reply.lost
+            return (reply.incarnation, reply.seq), reply.paths
+
+        start, _ = heartbeat(("", -1))
+        eager, lazy, seen = start, start, []
+        heads = [[20 + k] * 150 for k in range(10)]
+        for head in heads:
+            cl.generate(input_ids=head, sampling_params=SHORT)
+            eager, paths = heartbeat(eager)  # a busy front end, after every request
+            seen += paths
+        lazy, late = heartbeat(lazy)  # a quiet one, once
+        assert seen and late == seen and eager == lazy and eager[1] - start[1] == len(seen)
+        held = {tuple(p) for p in decode_kv_snapshot(ray.get(actor.kv_snapshot.remote())).paths}
+        gone = [h for h in heads if not any(p[:len(h)] == tuple(h) for p in held)]
+        assert gone  # the pool holds 3 of the 10 prompts at most
+        wait_for(lambda: all(cl.router.trees[0].match(h) < len(h) for h in gone), "the cluster's tree to drop them")
         cl.check_memory()
