@@ -10,6 +10,7 @@ import msgspec
 
 from engine.builtin_model import resolve_model_path
 from engine.errors import ConfigError
+from engine.grammar import grammar_backend_class
 from engine.limits import RequestLimits
 
 SchedulePolicy = Literal["fcfs", "lpm"]
@@ -109,6 +110,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     speculative_num_draft_tokens: int = 4  # k: drafts verified per request per step
     speculative_ngram_min: int = 2  # the shortest suffix n-gram looked up
     speculative_ngram_max: int = 4  # the longest (tried first)
+    # Structured outputs (engine/grammar): the backend that compiles JSON schemas, regexes and
+    # EBNF grammars: "llguidance", or "xgrammar" when that package is installed.
+    grammar_backend: str = "llguidance"
+    # Whitespace that JSON constraints (response_format, tool calls) allow between tokens, as a
+    # regex (e.g. "[ \t\n]{0,8}"); None: compact JSON, one space after each ',' and ':' and none
+    # elsewhere, so a model that favours whitespace cannot spend max_tokens on it. llguidance only.
+    constrained_json_whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -142,6 +150,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(1 <= self.speculative_num_draft_tokens <= 64, "speculative_num_draft_tokens must be in [1, 64]")
         need(1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
              "need 1 <= speculative_ngram_min <= speculative_ngram_max")
+        grammar_backend_class(self.grammar_backend, self.constrained_json_whitespace_pattern)  # ConfigError
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -127,7 +127,10 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.model_runner, self.eos_ids, self.tokenizer.decode)
         mr = self.model_runner
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, mr.max_context_len,
-                                     mr.max_total_tokens, eos_token_ids=self.eos_ids, limits=self.config.limits)
+                                     mr.max_total_tokens, eos_token_ids=self.eos_ids,
+                                     grammar_backend=self.config.grammar_backend,
+                                     json_whitespace_pattern=self.config.constrained_json_whitespace_pattern,
+                                     limits=self.config.limits)
         self.tokenize = self.inputs.tokenize
         self._rng = random.Random(self.config.seed)
         self._rid_counter = itertools.count()

@@ -21,7 +21,7 @@ from engine.tokenizer import Tokenizer
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_context_len: int, max_total_tokens: int,
                  eos_token_ids: Iterable[int] | None = None, grammar_backend: str = "llguidance",
-                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
+                 json_whitespace_pattern: str | None = None, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         self.tokenizer = tokenizer
         self.limits = limits  # the stop lists and prompt characters are checked here
         self.vocab_size = vocab_size
@@ -33,6 +33,7 @@ class InputProcessor:
             eos_token_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammar_backend_name = grammar_backend
+        self.json_whitespace_pattern = json_whitespace_pattern  # EngineConfig.constrained_json_whitespace_pattern
         self._grammar_backend: GrammarBackend | None = None
         self._grammar_lock = threading.Lock()
 
@@ -42,7 +43,8 @@ class InputProcessor:
             if self._grammar_backend is None:
                 self._grammar_backend = create_grammar_backend(
                     self.grammar_backend_name, self.tokenizer.tok.to_str(),
-                    max(self.vocab_size, self.tokenizer.vocab_size), self.eos_token_ids)
+                    max(self.vocab_size, self.tokenizer.vocab_size), self.eos_token_ids,
+                    json_whitespace_pattern=self.json_whitespace_pattern)
             return self._grammar_backend
 
     def compile_grammar(self, params: SamplingParams) -> object | None:

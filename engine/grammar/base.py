@@ -6,16 +6,17 @@ Bitmask layout (the one llguidance and xgrammar share): int32 [rows, ceil(vocab 
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import ClassVar, Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from engine.errors import RadixRayError
+from engine.errors import ConfigError, RadixRayError
 
 GrammarKind = Literal["json_schema", "regex", "ebnf"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "regex", "ebnf")
@@ -61,13 +62,20 @@ class GrammarMatcher(ABC):
 
 class GrammarBackend(ABC):
     """Compiles constraints for one tokenizer and vocabulary; compiled grammars are cached by
-    (kind, spec), so a schema is compiled once per process however many requests carry it."""
+    (kind, spec), so a schema is compiled once per process however many requests carry it.
 
-    name = "base"
+    A subclass registered with `@register_backend(name)` is created by
+    `create_grammar_backend(name, tokenizer_json, vocab_size, eos_token_ids, json_whitespace_pattern)`.
+    JSON schemas compile to compact JSON (one space after each ',' and ':', as `json.dumps` writes
+    it) unless `json_whitespace_pattern` (a regex) allows whitespace between tokens."""
+
+    name: ClassVar[str] = ""  # set by register_backend
+    package: ClassVar[str] = ""  # the Python package it needs (imported only when created)
     CACHE_SIZE = 512  # compiled grammars kept (least recently used dropped first)
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, json_whitespace_pattern: str | None = None) -> None:
         self.vocab_size = vocab_size  # the model's: the width of its logits
+        self.json_whitespace_pattern = json_whitespace_pattern
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
         self._unpack_tables: dict[torch.device, torch.Tensor] = {}
@@ -94,6 +102,11 @@ class GrammarBackend(ABC):
             while len(self._cache) > self.CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
+
+    @classmethod
+    def check_whitespace_pattern(cls, pattern: str) -> None:
+        """Raise a ConfigError if this backend cannot take `pattern` as JSON's whitespace."""
+        raise ConfigError(f"grammar_backend {cls.name!r} takes no constrained_json_whitespace_pattern")
 
     def cached(self, kind: str, spec: str) -> bool:
         with self._lock:
@@ -144,6 +157,48 @@ class GrammarBackend(ABC):
             table = torch.zeros(256, 8, dtype=dtype).masked_fill(bits == 0, float("-inf")).to(device)
             self._unpack_tables[device] = table
         return table
+
+
+# The one module-level mutable object: name -> backend class, filled by @register_backend.
+GRAMMAR_BACKENDS: dict[str, type[GrammarBackend]] = {}
+
+B = TypeVar("B", bound=type[GrammarBackend])
+
+
+def register_backend(name: str) -> Callable[[B], B]:
+    """Class decorator: make the backend creatable as `create_grammar_backend(name, ...)`."""
+
+    def deco(cls: B) -> B:
+        if not (isinstance(cls, type) and issubclass(cls, GrammarBackend)):
+            raise TypeError(f"{cls!r} is not a GrammarBackend subclass")
+        if GRAMMAR_BACKENDS.get(name, cls) is not cls:
+            raise ValueError(f"grammar backend {name!r} is already registered ({GRAMMAR_BACKENDS[name].__qualname__})")
+        cls.name = name
+        GRAMMAR_BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def grammar_backend_class(name: str, json_whitespace_pattern: str | None = None) -> type[GrammarBackend]:
+    """The registered backend `name`, checked to be installed and to take the options; raises a
+    ConfigError naming the choice (EngineConfig calls it at validation)."""
+    cls = GRAMMAR_BACKENDS.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown grammar_backend {name!r}; registered: {', '.join(sorted(GRAMMAR_BACKENDS))}")
+    if cls.package and importlib.util.find_spec(cls.package) is None:
+        raise ConfigError(f"grammar_backend {name!r} needs the {cls.package!r} package, which is not installed "
+                          f"(pip install {cls.package})")
+    if json_whitespace_pattern is not None:
+        cls.check_whitespace_pattern(json_whitespace_pattern)
+    return cls
+
+
+def create_grammar_backend(name: str, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int],
+                           json_whitespace_pattern: str | None = None) -> GrammarBackend:
+    """A backend for one tokenizer (its tokenizer.json text) and the model's vocabulary size."""
+    cls = grammar_backend_class(name, json_whitespace_pattern)
+    return cls(tokenizer_json, vocab_size, eos_token_ids, json_whitespace_pattern=json_whitespace_pattern)
 
 
 def bitmask_allows(bitmask: torch.Tensor, row: int, token: int) -> bool:

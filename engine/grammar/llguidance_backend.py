@@ -8,12 +8,23 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from engine.grammar.base import GrammarBackend, GrammarError, GrammarMatcher
+from engine.errors import ConfigError
+from engine.grammar.base import GrammarBackend, GrammarError, GrammarMatcher, register_backend
 
-# Whitespace between JSON tokens: a short run, or a newline and an indentation of up to 24. A
-# model that keeps choosing whitespace (small and random models do, greedily) must then go on,
-# while compact, spaced and pretty-printed JSON all still fit.
-JSON_WHITESPACE = r"(?:\r?\n[ \t]{0,24}|[ \t]{1,2})"
+# JSON as json.dumps writes it: one space after each ',' and ':', none elsewhere. A model that
+# favours whitespace (small and random ones do, greedily) cannot spend its tokens on it, and the
+# form is the one chat templates show models (`tojson`). Overrides, not defaults: a schema's
+# "x-guidance" options cannot loosen it.
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_options(whitespace_pattern: str | None) -> dict:
+    """llguidance's JSON compile options: compact, or `whitespace_pattern` (optional) between tokens
+    with bare ',' and ':'."""
+    if whitespace_pattern is None:
+        return COMPACT_JSON
+    return {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern,
+            "item_separator": ",", "key_separator": ":"}
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -41,14 +52,16 @@ class LLGuidanceMatcher(GrammarMatcher):
             raise GrammarError(f"grammar rollback of {num_tokens} tokens failed: {self.m.get_error()}")
 
 
+@register_backend("llguidance")
 class LLGuidanceBackend(GrammarBackend):
-    name = "llguidance"
+    package = "llguidance"
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int],
-                 num_threads: int | None = None) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int], *,
+                 json_whitespace_pattern: str | None = None, num_threads: int | None = None) -> None:
         import llguidance  # here: an engine that never sees a constraint does not load it
 
-        super().__init__(vocab_size)
+        super().__init__(vocab_size, json_whitespace_pattern)
+        self._json_options = json_options(json_whitespace_pattern)
         self._llg = llguidance
         eos = sorted(set(eos_token_ids))
         # n_vocab is the model's: ids past the tokenizer's (padding rows of the embedding) are
@@ -63,8 +76,7 @@ class LLGuidanceBackend(GrammarBackend):
                 schema = json.loads(spec)
                 if not isinstance(schema, dict | bool):
                     raise TypeError("the JSON schema must be an object")
-                grammar = llg.LLMatcher.grammar_from_json_schema(
-                    schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+                grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=self._json_options)
             elif kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(spec)
             else:  # GBNF-style EBNF (`root ::= ...`, as SGLang takes it) or Lark
@@ -77,6 +89,15 @@ class LLGuidanceBackend(GrammarBackend):
         if proto.is_error():
             raise GrammarError(proto.get_error())
         return proto
+
+    @classmethod
+    def check_whitespace_pattern(cls, pattern: str) -> None:
+        import llguidance
+
+        grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=json_options(pattern))
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            raise ConfigError(f"constrained_json_whitespace_pattern {pattern!r} is not a valid regex: {error}")
 
     def matcher(self, grammar: object) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(grammar.deep_copy(), self)

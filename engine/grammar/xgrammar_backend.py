@@ -2,7 +2,8 @@
 transformers and triton). Grammars are compiled ahead (token masks precomputed per grammar state),
 so a compile is slow and a mask is cheap. A grammar that is complete waits for EOS: its request
 ends when the model samples it (llguidance ends it as soon as nothing but EOS could follow). Its
-JSON strings admit raw control characters, which strict JSON parsers refuse."""
+JSON strings admit raw control characters, which strict JSON parsers refuse. Its JSON is compact,
+in the llguidance backend's form (one space after each ',' and ':'); it takes no whitespace pattern."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from engine.grammar.base import GrammarBackend, GrammarError, GrammarMatcher
+from engine.grammar.base import GrammarBackend, GrammarError, GrammarMatcher, register_backend
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -35,14 +36,18 @@ class XGrammarMatcher(GrammarMatcher):
             self.m.rollback(num_tokens)
 
 
+@register_backend("xgrammar")
 class XGrammarBackend(GrammarBackend):
-    name = "xgrammar"
+    package = "xgrammar"
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int], *,
+                 json_whitespace_pattern: str | None = None) -> None:
         import xgrammar
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
 
+        if json_whitespace_pattern is not None:
+            self.check_whitespace_pattern(json_whitespace_pattern)
         super().__init__(vocab_size)
         self._xgr = xgrammar
         hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json))
@@ -57,7 +62,7 @@ class XGrammarBackend(GrammarBackend):
             if kind == "json_schema":
                 if not isinstance(json.loads(spec), dict | bool):
                     raise GrammarError("the JSON schema must be an object")
-                return self.compiler.compile_json_schema(spec, max_whitespace_cnt=24)
+                return self.compiler.compile_json_schema(spec, any_whitespace=False, separators=(", ", ": "))
             if kind == "regex":
                 return self.compiler.compile_regex(spec)
             return self.compiler.compile_grammar(spec)

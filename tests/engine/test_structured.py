@@ -7,11 +7,20 @@ import json
 import re
 
 import jsonschema
+import msgspec
 import pytest
 import torch
 
-from engine import Engine, InvalidRequestError, SamplingParams
-from engine.grammar import bitmask_allows, create_grammar_backend
+from cluster.openai_params import NamedToolChoice, OpenAITools, Tool
+from engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
+from engine.errors import ConfigError
+from engine.grammar import (
+    GRAMMAR_BACKENDS,
+    LLGuidanceBackend,
+    bitmask_allows,
+    create_grammar_backend,
+    register_backend,
+)
 from tests.helpers import prompts, run_staggered
 
 SCHEMA = {
@@ -40,7 +49,7 @@ key ::= "x" | "y" | "zed"
 digits ::= [0-9] [0-9]?'''
 EBNF_AS_REGEX = r"\((x|y|zed)=[0-9][0-9]?(,(x|y|zed)=[0-9][0-9]?)?\)"
 
-MAX_NEW = 400  # room for the longest conforming JSON (whitespace between tokens is bounded)
+MAX_NEW = 400  # room for the longest conforming JSON
 
 
 def constrained_params(seed: int = 0) -> list[SamplingParams]:
@@ -106,7 +115,7 @@ MODES = {
     "no_radix": {"disable_radix_cache": True},
     "chunked": {"chunked_prefill_size": 8},
     # Optimistic admission into a pool the outputs outgrow (with each request twice, below).
-    "retraction": {"max_total_tokens": 1000, "init_new_token_ratio": 0.05, "min_new_token_ratio": 0.05},
+    "retraction": {"max_total_tokens": 700, "init_new_token_ratio": 0.05, "min_new_token_ratio": 0.05},
     "overlap": {"enable_overlap": True},
     "speculative": {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4},
 }
@@ -233,6 +242,120 @@ def test_bitmask_apply_on_cuda_matches_cpu():
     gpu = backend.apply_bitmask(logits.to(dev), backend.batch_bitmask(rows, dev))
     assert torch.equal(gpu.cpu(), cpu)
     assert torch.isfinite(cpu[1]).all() and torch.isfinite(cpu[0]).sum() == 3
+
+
+# A tool call as tool_choice "required" constrains it, with arguments the random model cannot make
+# long (an enum and a bounded integer): only whitespace could keep it from finishing.
+WEATHER = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["unit", "days"], "additionalProperties": False}
+
+
+class _ToolRequest(msgspec.Struct, OpenAITools, kw_only=True):
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+
+def tool_call_params(max_new_tokens: int) -> list[SamplingParams]:
+    """tool_choice "required" through the server's own constraint, greedy and sampled."""
+    req = msgspec.convert({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}],
+                           "tool_choice": "required", "parallel_tool_calls": False}, _ToolRequest)
+    out = [req.constrain_tools(SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=s))
+           for t, s in ((0.0, None), (1.0, 1), (1.0, 2), (0.7, 3), (1.0, 4), (1.0, 5))]
+    assert all(p.constraint[0] == "json_schema" for p in out)  # the kind response_format compiles through
+    return out
+
+
+def whitespace_runs(text: str) -> list[tuple[str, str]]:
+    """(the character before, the run) for each run of whitespace outside JSON strings."""
+    runs, in_string, escaped, i = [], False, False, 0
+    while i < len(text):
+        c = text[i]
+        if in_string:
+            escaped, in_string = (not escaped and c == "\\"), in_string and (escaped or c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in " \t\r\n":
+            j = i
+            while j < len(text) and text[j] in " \t\r\n":
+                j += 1
+            runs.append((text[i - 1:i], text[i:j]))
+            i = j
+            continue
+        i += 1
+    return runs
+
+
+def test_compact_json_by_default():
+    """The built-in random model favours whitespace; compact JSON leaves it none to spend, so a
+    tool call fits a small max_tokens, and response_format json_object has no runs either."""
+    eng = Engine()
+    ids = [1, *b"What is the weather in Paris?"]
+    tools = tool_call_params(max_new_tokens=90)  # the call itself takes 70-73 tokens here
+    objects = [SamplingParams(max_new_tokens=60, temperature=t, seed=s, json_schema='{"type": "object"}')
+               for t, s in ((0.0, None), (1.0, 1), (1.0, 2), (0.7, 3))]
+    outs = eng.generate(input_ids=[ids] * (len(tools) + len(objects)), sampling_params=tools + objects)
+    for p, o in zip(tools, outs):
+        assert o.finish_reason == "stop", o.text
+        calls = json.loads(o.text)
+        jsonschema.validate(calls, json.loads(p.json_schema))
+        assert o.text == json.dumps(calls)  # one space after ',' and ':', none elsewhere
+    for p, o in zip(objects, outs[len(tools):]):
+        check_conforms(eng, p, o)
+        assert all(before in ",:" and run == " " for before, run in whitespace_runs(o.text)), o.text
+    eng.check_memory()
+
+
+def test_whitespace_pattern_allows_more():
+    """constrained_json_whitespace_pattern: the same requests may now hold whitespace runs (the
+    model takes them), still conforming."""
+    pattern = "[ \t\r\n]{0,6}"
+    eng = Engine(constrained_json_whitespace_pattern=pattern)
+    params = tool_call_params(max_new_tokens=400)
+    outs = eng.generate(input_ids=[[1, *b"What is the weather in Paris?"]] * len(params), sampling_params=params)
+    for p, o in zip(params, outs):
+        check_conforms(eng, p, o)
+    runs = [run for o in outs for _, run in whitespace_runs(o.text)]
+    assert any(len(run) > 1 for run in runs) and all(re.fullmatch(pattern, run) for run in runs), runs
+    assert any(o.finish_reason == "stop" for o in outs)
+    eng.check_memory()
+
+
+def test_grammar_backend_config():
+    assert EngineConfig().grammar_backend == "llguidance"
+    with pytest.raises(ConfigError, match="unknown grammar_backend 'nope'.*llguidance"):
+        EngineConfig(grammar_backend="nope")
+    with pytest.raises(ConfigError, match="constrained_json_whitespace_pattern"):
+        EngineConfig(constrained_json_whitespace_pattern="[ \t")
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="grammar_backend 'xgrammar' needs the 'xgrammar' package"):
+            EngineConfig(grammar_backend="xgrammar")
+    else:
+        EngineConfig(grammar_backend="xgrammar")
+        with pytest.raises(ConfigError, match="'xgrammar' takes no constrained_json_whitespace_pattern"):
+            EngineConfig(grammar_backend="xgrammar", constrained_json_whitespace_pattern=" ?")
+
+
+def test_grammar_backend_is_chosen_by_config():
+    """A registered backend is what the engine compiles with when the config names it."""
+
+    class Counting(LLGuidanceBackend):
+        package = ""
+
+    register_backend("counting")(Counting)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_backend("counting")(type("Other", (LLGuidanceBackend,), {}))
+        eng = Engine(grammar_backend="counting")
+        out = eng.generate(input_ids=[1, 5, 6], sampling_params=SamplingParams(max_new_tokens=8, regex="[a-c]{4}"))
+        assert re.fullmatch("[a-c]{4}", out.text)
+        assert type(eng.inputs.grammar_backend) is Counting and eng.inputs.grammar_backend.compiles == 1
+    finally:
+        GRAMMAR_BACKENDS.pop("counting")
+    assert type(Engine().inputs.grammar_backend) is LLGuidanceBackend
 
 
 def _byte_tokenizer_json() -> str:
