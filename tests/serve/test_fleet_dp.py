@@ -82,3 +82,35 @@ def test_structured_outputs_on_the_trained_model_under_attention_dp(dp_base):
                                    seed=7, n=2, extra_body={"regex": regex})
     for c in rx.choices:
         assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+
+
+def test_the_group_survives_its_coordinator_restarting(dp_base):
+    """Ray restarts the gang's DPCoordinator while a stream runs: the stream ends normally, the
+    members check back in, and later requests (each needing a new wave) are answered; none
+    waits for the request timeout."""
+    import time
+
+    from deploy.engines import ACTOR_NAMESPACE
+
+    base, _ = dp_base
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == ACTOR_NAMESPACE and a["name"].startswith("radixray-dp-")]
+    assert len(names) == 1, names
+    coord = ray.get_actor(names[0], namespace=ACTOR_NAMESPACE)
+    before = ray.get(coord.stats.remote())
+    body = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=90) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        ray.kill(coord, no_restart=False)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest).replace(" ", "")
+    for _ in range(3):  # the group sleeps between these: each needs a wave from the new coordinator
+        time.sleep(1.5)
+        r = httpx.post(f"{base}/v1/completions", timeout=90,
+                       json={"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
+        assert r.status_code == 200, r.text
+    after = ray.get(coord.stats.remote())
+    assert after.coordinator != before.coordinator and after.rejoins == 2 and after.members == [0, 1], after
