@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import random
 import time
 
+import msgspec
 import pytest
 import ray
 
+from actors.dp_coordinator import DPCoordinator
+from actors.engine_actor import EngineActor
 from cluster import Cluster, ClusterConfig
 from engine import Engine, SamplingParams
 from tests.helpers import finals_after
@@ -218,3 +223,35 @@ def test_a_stalled_group_fails_and_restarts(ray_local, model_dirs):
         assert cl.dp_stats()[0].restarts >= 1
         outs = _timed(cl, ["Once upon a time"] * 2, GREEDY, within_s=90)
         assert [o.token_ids for o in outs] == [ref.token_ids] * 2, [o.error for o in outs]
+
+
+def test_a_forming_group_is_not_an_error(ray_local, model_dirs):
+    """A member whose group has not formed is not ready (False, not an error) and fails its health
+    check; the cluster's wait for it logs nothing (an error it left unread would be logged as an
+    unhandled one, with its traceback)."""
+    cfg = ClusterConfig(model_path=model_dirs["stories"], num_engines=2, dp_attention=True)
+    engine_cfg = msgspec.structs.asdict(cfg.engine_config("cpu"))
+    # Two rank-0 members of two groups of two whose rank 1 never comes: they wait for their peer
+    # (up to the rendezvous timeout, 30 s).
+    actors = [ray.remote(EngineActor).options(num_cpus=0).remote(
+        engine_cfg, i, {"rank": 0, "size": 2, "coordinator": ray.remote(DPCoordinator).remote(i, 2)})
+        for i in range(2)]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ray").addHandler(handler)  # where Ray's driver reports unread errors
+    try:
+        ray.get([a.info.remote() for a in actors])
+        assert ray.get([a.ready.remote() for a in actors]) == [False, False]
+        with pytest.raises(ray.exceptions.RayTaskError, match="still joining"):
+            ray.get(actors[0].check_health.remote())
+        records.clear()
+        with pytest.raises(TimeoutError):
+            Cluster._wait_healthy(actors, timeout_s=3)
+        gc.collect()
+        time.sleep(1.0)  # unread errors are reported when their refs are freed
+        assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    finally:
+        logging.getLogger("ray").removeHandler(handler)
+        for a in actors:
+            ray.kill(a)
