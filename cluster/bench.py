@@ -16,6 +16,14 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             actual hit rate, throughput, TTFT p50/p90; and the hit rate no router can pass on
             this request order with the engines' combined KV (Belady's optimal eviction over
             whole documents), and that of one LRU cache of that size.
+  churn_low routing at low concurrency: 8 tenants' 400-token prefixes (a 16-token template head
+            they share + 384 of their own), each request one of them + a 32-token question, 16
+            output tokens; 48 requests (6 per tenant, shuffled) sent one at a time, 2 engines as
+            Serve replicas whose KV holds 2,200 tokens each (about four tenants: together, all
+            eight), through 1 and 2 front ends (`--frontends` does not apply): every policy's
+            actual hit rate, against the ceiling (every tenant's first request misses). No load
+            tells the engines apart: a policy that gives ties to the first engine evicts tenants
+            there in turn while the other engine holds nothing. Floor: 70% with two front ends.
   http      the same requests streamed through Ray Serve's HTTP app vs the Cluster in Python:
             throughput and time to first visible text (median, p99).
   frontend  stories260K (or the bench model without ../shared), one engine, 32 streams x 256 tokens,
@@ -102,6 +110,23 @@ def churn_workload(scale: float) -> tuple[list[list[int]], list[int], list[int]]
     q = CHURN_QUESTION_TOKENS
     prompts = [prefixes[t] + random_prompts(1, q, q, BENCH_ARCH["vocab_size"], rng)[0] for t in order]
     return prompts, [16] * n, order
+
+
+LOW_TENANTS, LOW_PREFIX, LOW_HEAD, LOW_POOL = 8, 400, 16, 2200
+
+
+def churn_low_workload(scale: float) -> tuple[list[list[int]], list[int], list[int]]:
+    """Prompts, output lengths, and each prompt's tenant (the churn_low case)."""
+    rng = random.Random(9)
+    vocab = BENCH_ARCH["vocab_size"]
+    head = random_prompts(1, LOW_HEAD, LOW_HEAD, vocab, rng)[0]
+    own = LOW_PREFIX - LOW_HEAD
+    prefixes = [head + p for p in random_prompts(LOW_TENANTS, own, own, vocab, rng)]
+    order = [t % LOW_TENANTS for t in range(max(LOW_TENANTS, int(48 * scale)))]
+    rng.shuffle(order)
+    q = CHURN_QUESTION_TOKENS
+    prompts = [prefixes[t] + random_prompts(1, q, q, vocab, rng)[0] for t in order]
+    return prompts, [16] * len(prompts), order
 
 
 def hit_rate_ceilings(order: list[int], prefix_len: int, prompt_tokens: int, slots: int) -> tuple[float, float]:
@@ -202,6 +227,22 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
               f"any router's hit rate <= {optimal:.0%} (optimal eviction), one LRU cache: {lru:.0%}", flush=True)
 
 
+def case_churn_low(path: str, scale: float) -> None:
+    prompts, outs, order = churn_low_workload(scale)
+    prompt_tokens = sum(len(p) for p in prompts)
+    slots = 2 * LOW_POOL // LOW_PREFIX  # a part of a prefix counts whole: still a bound
+    optimal, _ = hit_rate_ceilings(order, LOW_PREFIX, prompt_tokens, slots)
+    optimal += len(set(order)) * LOW_HEAD / prompt_tokens  # a tenant's first request may hit the shared head
+    for m in (1, 2):
+        hits = {}
+        for policy in ("kv_events", "cache_aware", "least_load", "round_robin"):
+            _, _, hits[policy] = _fleet_run(path, LOW_POOL, prompts, outs, 1, policy, m)
+        best = max(hits, key=hits.get)
+        print(f"churn_low  {m} front end{'s' if m > 1 else ''}, one request at a time: "
+              + "  ".join(f"{p} hit={h:.0%}" for p, h in hits.items())
+              + f"  |  best {best}{' (floor 70%)' if m == 2 else ''}, any router's hit rate <= {optimal:.0%}", flush=True)
+
+
 def _deploy_engines(path: str, pool: int, app: str, router_class: str | None = None) -> tuple[Any, list]:
     """Two EngineServer replicas (engines as in engine_cfg) and their Fleet, as Serve deploys
     them for the HTTP app: the Fleet handle and the engine actors."""
@@ -234,8 +275,9 @@ def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], 
                frontends: int, arrivals: list[float] | None = None) -> tuple[float, list[float], float]:
     """The workload through `frontends` front ends (Clusters following one engine fleet, as the
     HTTP app's replicas do), requests dealt to them in turn: wall time, TTFTs, the engines'
-    actual hit rate. Closed loop (in_flight at once), or open loop: request i sent at
-    arrivals[i] seconds, its TTFT counted from then."""
+    actual hit rate. Closed loop (in_flight at once; 1: one request at a time over all the front
+    ends, in order), or open loop: request i sent at arrivals[i] seconds, its TTFT counted from
+    then."""
     from ray import serve
 
     fleet, engines = _deploy_engines(path, pool, "bench-fleet")
@@ -264,9 +306,13 @@ def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], 
 
         work = list(zip(prompts, outs, arrivals or [0.0] * len(prompts)))
         t0 = time.perf_counter()
-        futures = [asyncio.run_coroutine_threadsafe(part(cl, work[i::frontends], t0), cl._loop)
-                   for i, cl in enumerate(fronts)]
-        ttfts = [t for f in futures for t in f.result()]
+        if in_flight == 1 and arrivals is None:  # each request after the previous one ended
+            ttfts = [t for k, w in enumerate(work) for t in asyncio.run_coroutine_threadsafe(
+                part(fronts[k % frontends], [w], t0), fronts[k % frontends]._loop).result()]
+        else:
+            futures = [asyncio.run_coroutine_threadsafe(part(cl, work[i::frontends], t0), cl._loop)
+                       for i, cl in enumerate(fronts)]
+            ttfts = [t for f in futures for t in f.result()]
         dt = time.perf_counter() - t0
         hit = _engine_hit_rate(engines)
     finally:
@@ -848,14 +894,16 @@ def case_autoscale(path: str, scale: float) -> None:
           + (f"  first failure: {failures[0]}" if failures else ""), flush=True)
 
 
-CASES = {"scale": case_scale, "routing": case_routing, "churn": case_churn, "http": case_http, "dp": case_dp,
-         "moe": case_moe, "batch": case_batch, "frontend": case_frontend, "autoscale": case_autoscale}
+CASES = {"scale": case_scale, "routing": case_routing, "churn": case_churn, "churn_low": case_churn_low,
+         "http": case_http, "dp": case_dp, "moe": case_moe, "batch": case_batch, "frontend": case_frontend,
+         "autoscale": case_autoscale}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m cluster.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="scale,routing,churn,http,dp,moe,batch", help=f"comma list of {list(CASES)}")
+    ap.add_argument("--cases", default="scale,routing,churn,churn_low,http,dp,moe,batch",
+                    help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--frontends", default="2,8", help="churn: comma list of front-end counts to run the policies with")
     ap.add_argument("--rate", type=float, default=None,

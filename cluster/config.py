@@ -21,7 +21,7 @@ ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads", "moe_split", "limi
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_path: str | None = None
     num_engines: int = 1
-    routing: RoutingName = "cache_aware"
+    routing: RoutingName = "kv_events"  # the engines' own KV events: one exact view for every front end
     # The routing policy's fields, e.g. {"prefill_weight": 1.0, "load_weight": 0.1} for kv_events.
     routing_options: dict[str, float] = {}
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the Ray cluster has GPUs
