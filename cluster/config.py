@@ -19,25 +19,25 @@ ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads", "moe_split", "limi
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    model_path: str | None = None
-    num_engines: int = 1
+    model_path: str | None = None  # HF checkpoint folder, or a built-in model's name; None: the built-in noise model
+    num_engines: int = 1  # engine actors (one per GPU, or one per cpus_per_engine CPUs)
     routing: RoutingName = "kv_events"  # the engines' own KV events: one exact view for every front end
     # The routing policy's fields, e.g. {"prefill_weight": 1.0, "load_weight": 0.1} for kv_events.
     routing_options: dict[str, float] = {}
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the Ray cluster has GPUs
-    cpus_per_engine: float = 1.0
+    cpus_per_engine: float = 1.0  # CPUs of each engine's placement-group bundle (CPU engines)
     torch_threads_per_engine: int | None = None  # default: cpus_per_engine rounded up
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # how the engines' bundles are placed over the Ray nodes
     max_restarts: int = -1  # Ray restarts a dead engine actor (-1: forever)
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # a request still running after this ends with a timeout error (HTTP 504)
     # A stream's tokens after its first go out at most once per interval, merged into one delta
     # (one SSE event): the first token and the end are never held. 0: every engine step. Half of
     # the 0.1 s a reader takes as instantaneous, and several tokens per event at GPU token rates.
     stream_interval_s: float = 0.05
-    health_check_period_s: float = 1.0
+    health_check_period_s: float = 1.0  # how often each engine is checked (and its evictions read)
     engine: dict[str, Any] = {}  # EngineConfig overrides, with EngineConfig's field names
-    dp_attention: bool = False
-    dp_group_size: int | None = None
+    dp_attention: bool = False  # attention-DP: groups of dp_group_size engines step together and share the MLP work
+    dp_group_size: int | None = None  # engines per attention-DP group; None: all of them
     # Attention-DP with an MoE model: "experts" gives each member E/G whole experts (expert
     # parallelism; num_experts must divide by G), "intermediate" a slice of every expert.
     moe_split: MoeSplit = "experts"

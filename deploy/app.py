@@ -58,8 +58,8 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """What only the HTTP app needs; everything else is the ClusterConfig it nests."""
 
     api_key: str | None = None  # or RADIXRAY_API_KEY in the replica's environment
-    served_model_name: str | None = None
-    default_max_tokens: int = 256
+    served_model_name: str | None = None  # the model name clients send and /v1/models lists; None: the checkpoint folder's name (radixray-builtin for the built-in model)
+    default_max_tokens: int = 256  # max_tokens of a request that sets none
     # How tool calls are parsed out of chat outputs for tool_choice "auto" (cluster.tool_parsers:
     # the same names as TOOL_PARSERS); None: "auto" with tools is refused.
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None

@@ -45,21 +45,21 @@ class FleetOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """The shape of the served fleet: front-end replicas, engine replicas (fixed: the cluster's
     num_engines; or autoscaled between min_engines and max_engines) and how engines leave."""
 
-    frontends: int = 1
+    frontends: int = 1  # front-end (OpenAIServer) replicas
     # Set: the front ends autoscale between `frontends` and this on ongoing HTTP requests.
     max_frontends: int | None = None
-    target_requests_per_frontend: float = 64.0
-    min_engines: int | None = None
-    max_engines: int | None = None
+    target_requests_per_frontend: float = 64.0  # front-end autoscaling target: ongoing HTTP requests per replica
+    min_engines: int | None = None  # autoscale the engines between min_engines and max_engines (set both; None: num_engines)
+    max_engines: int | None = None  # the most engines autoscaling starts
     # Autoscaling signals: scale up while an engine's waiting requests or KV use exceed these.
     target_waiting_per_engine: float = 2.0
-    target_kv_use: float = 0.85
-    upscale_delay_s: float = 3.0
-    downscale_delay_s: float = 30.0
+    target_kv_use: float = 0.85  # engine autoscaling target: the fraction of KV slots in use
+    upscale_delay_s: float = 3.0  # how long the signals must ask for more engines before one is added
+    downscale_delay_s: float = 30.0  # how long they must ask for fewer before one drains
     # Scale-down drain: requests without a token after this long are re-routed; the engine
     # stops after its last request, or at drain_timeout_s (the rest then end with an error).
     drain_reroute_after_s: float = 10.0
-    drain_timeout_s: float = 120.0
+    drain_timeout_s: float = 120.0  # a draining engine stops at this point at the latest
 
     def __post_init__(self) -> None:
         from engine.errors import ConfigError

@@ -61,20 +61,20 @@ def _choices_hint(cls: type, error: str) -> str:
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything one engine is built from. Field names double as CLI flags and YAML keys."""
 
-    model_path: str | None = None
-    device: str = "auto"
-    dtype: DType = "auto"
+    model_path: str | None = None  # HF checkpoint folder, or a built-in model's name (builtin, builtin-moe); None: builtin
+    device: str = "auto"  # torch device: "cpu", "cuda", "cuda:N", or "auto" (CUDA when available)
+    dtype: DType = "auto"  # weights, activations and KV pool; auto: the checkpoint's dtype on CUDA, float32 on the CPU
     max_total_tokens: int | None = None  # KV slots; None: from mem_fraction_static on CUDA, 65536 on CPU
-    mem_fraction_static: float = 0.8
-    max_running_requests: int | None = None
+    mem_fraction_static: float = 0.8  # CUDA: the fraction of device memory for weights plus the KV pool
+    max_running_requests: int | None = None  # the most requests in the running batch; None: bounded by the KV pool only
     max_context_len: int | None = None  # defaults to the model's max_position_embeddings
     chunked_prefill_size: int | None = None  # None: no chunking beyond max_prefill_tokens
     max_prefill_tokens: int | None = None  # None: DEFAULT_MAX_PREFILL_TOKENS
-    schedule_policy: SchedulePolicy = "fcfs"
-    disable_radix_cache: bool = False
-    enable_mixed_chunk: bool = False
-    enable_overlap: bool = False
-    attention_backend: AttentionBackendName = "torch"
+    schedule_policy: SchedulePolicy = "fcfs"  # waiting-queue order: fcfs, or lpm (longest cached prefix first)
+    disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
+    enable_mixed_chunk: bool = False  # run prefill chunks and the running decodes in one MIXED batch
+    enable_overlap: bool = False  # schedule the next decode batch while the current one runs (a forward thread)
+    attention_backend: AttentionBackendName = "torch"  # attention kernels: torch (SDPA, C++ decode on the CPU), triton, flash_attn
     # CPU linears: "native" (the project's GEMM: float32 on AVX-512; bfloat16 on AVX512-BF16 for
     # 1-3 rows, beside oneDNN's weight for more), "onednn" (prepacked oneDNN), "torch" (F.linear);
     # auto: native where it works, else oneDNN, else torch.
@@ -88,11 +88,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cpu_graph: CpuGraphMode = "auto"
     cpu_graph_lazy: bool = False  # compile a bucket the first time it runs instead (faster start)
     cuda_graph_max_bs: int = 64  # the largest batch of the graph ladder (CUDA and CPU graphs)
-    init_new_token_ratio: float = 0.7
-    min_new_token_ratio: float = 0.1
-    new_token_ratio_decay: float = 0.001
-    seed: int = 0
-    torch_threads: int | None = None
+    init_new_token_ratio: float = 0.7  # admission reserve: the share of running requests' remaining output kept free, at start
+    min_new_token_ratio: float = 0.1  # the floor the reserve ratio decays to
+    new_token_ratio_decay: float = 0.001  # how much the reserve ratio decays per decode step (it jumps to 1 on retraction)
+    seed: int = 0  # seed of the engine's random state (each sampling request also has its own seed)
+    torch_threads: int | None = None  # torch intra-op threads; None: torch's default (the cores Ray gives the actor)
     # The request limits this engine checks (stop lists, prompt characters): engine/limits.py.
     # The cluster sets it (ClusterConfig.limits).
     limits: RequestLimits = RequestLimits()
@@ -106,7 +106,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Speculative decoding: "ngram" drafts from the request's own tokens (prompt lookup),
     # "draft_model" from a small model with the same tokenizer (speculative_draft_model_path).
     speculative_algorithm: SpeculativeAlgorithm | None = None
-    speculative_draft_model_path: str | None = None
+    speculative_draft_model_path: str | None = None  # the draft model's checkpoint folder (speculative_algorithm=draft_model)
     speculative_num_draft_tokens: int = 4  # k: drafts verified per request per step
     speculative_ngram_min: int = 2  # the shortest suffix n-gram looked up
     speculative_ngram_max: int = 4  # the longest (tried first)

@@ -50,3 +50,19 @@ def test_app_args_nest_the_cluster_config():
         AppArgs.from_dict({"num_engine": 2})
     with pytest.raises(ConfigError):
         AppArgs.from_dict({"routing": "random"})
+
+
+def test_every_config_field_has_a_help_line():
+    """Every flag's help comes from its field's comment (engine.flags.field_docs): a new field
+    without one fails here."""
+    from deploy.app import HTTPOptions
+    from deploy.engines import FleetOptions
+    from engine.flags import add_struct_flags, field_docs
+    from engine.limits import RequestLimits
+
+    for cls in (EngineConfig, ClusterConfig, RequestLimits, HTTPOptions, FleetOptions):
+        assert [f for f in cls.__struct_fields__ if not field_docs(cls).get(f)] == [], cls.__name__
+    ap = argparse.ArgumentParser()
+    add_struct_flags(ap, EngineConfig)
+    help_text = " ".join(ap.format_help().split())
+    assert "--enable-overlap schedule the next decode batch while the current one runs" in help_text
