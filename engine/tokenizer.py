@@ -68,8 +68,11 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > LONG_TEXT_CHARS:  # encode_batch releases the GIL while it runs; encode does not
-            ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if len(text) > LONG_TEXT_CHARS:
+            # The batch calls release the GIL while they run (encode does not); the fast one skips
+            # the offsets, which saves a third of the memory a long text takes to tokenize.
+            batch = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+            ids = batch([text], add_special_tokens=add_special_tokens)[0].ids
         else:
             ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.bos_token_id is not None:
