@@ -11,8 +11,7 @@ from deploy.ingress import DEFAULT_INGRESS, INGRESS_MODES
 
 
 def serve_parser() -> tuple[argparse.ArgumentParser, list[str]]:
-    from deploy.app import HTTPOptions
-    from deploy.engines import FleetOptions
+    from deploy.options import FleetOptions, HTTPOptions
 
     ap = argparse.ArgumentParser(prog="python -m cluster serve",
                                  description="Serve the OpenAI-compatible API with Ray Serve.")

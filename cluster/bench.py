@@ -248,7 +248,8 @@ def _deploy_engines(path: str, pool: int, app: str, router_class: str | None = N
     them for the HTTP app: the Fleet handle and the engine actors."""
     from ray import serve
 
-    from deploy.engines import Fleet, FleetOptions, engine_deployment
+    from deploy.engines import Fleet, engine_deployment
+    from deploy.options import FleetOptions
 
     _serve_base()
     args = {"model_path": path, "num_engines": 1, "device": "cpu", "cpus_per_engine": 1,

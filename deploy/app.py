@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -25,11 +25,11 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster import Cluster, ClusterConfig
-from cluster.config import ENGINE_OWN_FIELDS
+from cluster import Cluster
 from cluster.tool_parsers import JsonArrayToolParser, parser_for
-from deploy.engines import Fleet, FleetOptions, engine_deployment, frontend_options, gang_size
+from deploy.engines import Fleet, engine_deployment, frontend_options, gang_size
 from deploy.metrics import ServerMetrics, StatsCache
+from deploy.options import AppArgs
 from deploy.outputs import RequestOutput
 from deploy.protocol import (
     ChatCompletionRequest,
@@ -37,10 +37,8 @@ from deploy.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from engine import EngineConfig, InvalidRequestError, SamplingParams, StreamDelta
-from engine.config import build_config
-from engine.errors import ConfigError, invalid_request_from
-from engine.limits import RequestLimits
+from engine import InvalidRequestError, SamplingParams, StreamDelta
+from engine.errors import invalid_request_from
 from engine.logs import log_to_stderr
 
 log = logging.getLogger("radixray.http")
@@ -52,61 +50,6 @@ FLEET_SIZE_FIELDS = ("num_engines", "frontends", "max_frontends", "min_engines",
                      "upscale_delay_s", "downscale_delay_s")
 SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
 CHUNK_END = b"}\n\n"  # closes an event whose choices (and usage) follow the shared head
-
-
-class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What only the HTTP app needs; everything else is the ClusterConfig it nests."""
-
-    api_key: str | None = None  # or RADIXRAY_API_KEY in the replica's environment
-    served_model_name: str | None = None  # the model name clients send and /v1/models lists; None: the checkpoint folder's name (radixray-builtin for the built-in model)
-    default_max_tokens: int = 256  # max_tokens of a request that sets none
-    # How tool calls are parsed out of chat outputs for tool_choice "auto" (cluster.tool_parsers:
-    # the same names as TOOL_PARSERS); None: "auto" with tools is refused.
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
-    # /metrics serves the engines' and the fleet's figures as fetched at most this many seconds
-    # ago (one fetch per interval per front end, whatever the scrape rate).
-    metrics_refresh_s: float = 1.0
-
-
-class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
-    """What the app is built from: a ClusterConfig, the HTTP options and the fleet's shape,
-    nested. Its flat form (YAML `args`, `serve run ... key=value`, the CLI) uses their field
-    names side by side, with EngineConfig's fields flat or under `engine` and the request limits
-    (RequestLimits: max_body_bytes, ...) flat or under `limits`."""
-
-    cluster: ClusterConfig
-    http: HTTPOptions
-    fleet: FleetOptions = FleetOptions()
-
-    @classmethod
-    def flat_fields(cls) -> set[str]:
-        engine = set(EngineConfig.__struct_fields__) - set(ENGINE_OWN_FIELDS)
-        return (set(ClusterConfig.__struct_fields__) | set(HTTPOptions.__struct_fields__)
-                | set(FleetOptions.__struct_fields__) | set(RequestLimits.__struct_fields__) | engine)
-
-    @classmethod
-    def from_dict(cls, args: dict[str, Any] | None) -> "AppArgs":
-        args = dict(args or {})
-        unknown = sorted(set(args) - cls.flat_fields() - {"engine"})
-        if unknown:
-            raise ConfigError(f"unknown app argument(s): {', '.join(unknown)}")
-        http = {k: args.pop(k) for k in list(args) if k in HTTPOptions.__struct_fields__}
-        fleet = {k: args.pop(k) for k in list(args) if k in FleetOptions.__struct_fields__}
-        if http.get("api_key") is None and os.environ.get("RADIXRAY_API_KEY"):
-            http["api_key"] = os.environ["RADIXRAY_API_KEY"]
-        engine = dict(args.pop("engine", None) or {})
-        engine_fields = set(EngineConfig.__struct_fields__) - set(ENGINE_OWN_FIELDS)
-        engine.update({k: args.pop(k) for k in list(args) if k in engine_fields})
-        typed = msgspec.structs.asdict(build_config(EngineConfig, "engine", engine, strict=False))
-        engine = {k: typed[k] for k in engine}
-        # Not strict: `serve run deploy.app:build_app num_engines=2` passes strings.
-        cluster = ClusterConfig.from_kwargs(strict=False, **args, engine=engine)
-        fleet_options = build_config(FleetOptions, "fleet", fleet, strict=False)
-        if cluster.dp_attention and fleet_options.autoscaled:
-            size = cluster.dp_group_size or cluster.num_engines
-            if fleet_options.min_engines % size or fleet_options.max_engines % size:
-                raise ConfigError(f"min_engines and max_engines must be multiples of the DP group size ({size})")
-        return cls(cluster=cluster, http=build_config(HTTPOptions, "http", http, strict=False), fleet=fleet_options)
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,

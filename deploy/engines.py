@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.dp_coordinator import DPCoordinator
 from actors.engine_actor import EngineActor
 from actors.protocol import EngineInfo, GenerateRequest, encode
+from deploy.options import AppArgs, FleetOptions
 from engine import SamplingParams
 from engine.logs import log_to_stderr
 
@@ -39,45 +40,6 @@ log = logging.getLogger("radixray.engines")
 ACTOR_NAMESPACE = "radixray"
 LEASE_S = 10.0  # an engine that has not renewed its lease for this long has left the fleet
 RENEW_PERIOD_S = 1.0
-
-
-class FleetOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The shape of the served fleet: front-end replicas, engine replicas (fixed: the cluster's
-    num_engines; or autoscaled between min_engines and max_engines) and how engines leave."""
-
-    frontends: int = 1  # front-end (OpenAIServer) replicas
-    # Set: the front ends autoscale between `frontends` and this on ongoing HTTP requests.
-    max_frontends: int | None = None
-    target_requests_per_frontend: float = 64.0  # front-end autoscaling target: ongoing HTTP requests per replica
-    min_engines: int | None = None  # autoscale the engines between min_engines and max_engines (set both; None: num_engines)
-    max_engines: int | None = None  # the most engines autoscaling starts
-    # Autoscaling signals: scale up while an engine's waiting requests or KV use exceed these.
-    target_waiting_per_engine: float = 2.0
-    target_kv_use: float = 0.85  # engine autoscaling target: the fraction of KV slots in use
-    upscale_delay_s: float = 3.0  # how long the signals must ask for more engines before one is added
-    downscale_delay_s: float = 30.0  # how long they must ask for fewer before one drains
-    # Scale-down drain: requests without a token after this long are re-routed; the engine
-    # stops after its last request, or at drain_timeout_s (the rest then end with an error).
-    drain_reroute_after_s: float = 10.0
-    drain_timeout_s: float = 120.0  # a draining engine stops at this point at the latest
-
-    def __post_init__(self) -> None:
-        from engine.errors import ConfigError
-
-        if self.frontends < 1:
-            raise ConfigError("frontends must be >= 1")
-        if self.max_frontends is not None and self.max_frontends < self.frontends:
-            raise ConfigError("max_frontends must be >= frontends")
-        if (self.min_engines is None) != (self.max_engines is None):
-            raise ConfigError("set min_engines and max_engines together (or neither: num_engines)")
-        if self.min_engines is not None and not 1 <= self.min_engines <= self.max_engines:
-            raise ConfigError("need 1 <= min_engines <= max_engines")
-        if self.drain_reroute_after_s > self.drain_timeout_s:
-            raise ConfigError("drain_reroute_after_s must be <= drain_timeout_s")
-
-    @property
-    def autoscaled(self) -> bool:
-        return self.min_engines is not None
 
 
 class GenerateCall(msgspec.Struct, frozen=True):
@@ -200,8 +162,6 @@ class EngineServer:
     """One engine of the fleet (see the module docstring). Deployed by engine_deployment()."""
 
     async def __init__(self, args: dict[str, Any], fleet: Any) -> None:  # async: Serve awaits it
-        from deploy.app import AppArgs
-
         log_to_stderr()
         app_args = AppArgs.from_dict(args)
         cfg, self.options = app_args.cluster, app_args.fleet

@@ -39,7 +39,7 @@ def test_bad_choices_are_refused_by_the_parser(argv):
 
 
 def test_app_args_nest_the_cluster_config():
-    from deploy.app import AppArgs
+    from deploy.options import AppArgs
 
     args = AppArgs.from_dict({"num_engines": 2, "api_key": "k", "max_total_tokens": 700,
                               "engine": {"schedule_policy": "lpm"}})
@@ -55,8 +55,7 @@ def test_app_args_nest_the_cluster_config():
 def test_every_config_field_has_a_help_line():
     """Every flag's help comes from its field's comment (engine.flags.field_docs): a new field
     without one fails here."""
-    from deploy.app import HTTPOptions
-    from deploy.engines import FleetOptions
+    from deploy.options import FleetOptions, HTTPOptions
     from engine.flags import add_struct_flags, field_docs
     from engine.limits import RequestLimits
 

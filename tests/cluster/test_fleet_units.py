@@ -9,7 +9,8 @@ import pytest
 
 from actors.engine_actor import EvictionLog
 from cluster.cluster import _merge_all
-from deploy.engines import EngineAutoscaler, FleetOptions
+from deploy.engines import EngineAutoscaler
+from deploy.options import FleetOptions
 from engine import StreamDelta
 from engine.engine import TokenLogprob
 from engine.errors import ConfigError

@@ -34,7 +34,7 @@ def test_limits_come_flat_or_nested_and_reach_every_engine():
 
 
 def test_app_args_take_the_limits_flat():
-    from deploy.app import AppArgs, HTTPOptions
+    from deploy.options import AppArgs, HTTPOptions
 
     args = AppArgs.from_dict({"max_body_bytes": "65536", "max_choices": 10, "served_model_name": "m"})
     assert args.cluster.limits.max_body_bytes == 65536 and args.cluster.limits.max_choices == 10

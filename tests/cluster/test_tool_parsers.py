@@ -20,7 +20,7 @@ from cluster.tool_parsers import (
     ToolParser,
     parser_for,
 )
-from deploy.app import HTTPOptions
+from deploy.options import HTTPOptions
 from deploy.protocol import ChatCompletionRequest
 from engine import InvalidRequestError
 
@@ -187,12 +187,12 @@ DEEP = "[" * 100_000 + "]" * 100_000
 
 
 @pytest.mark.parametrize("parser,text", [
-    (HermesToolParser(), 'ok <tool_call>{"name": "f", "arguments": {"a": %s}}</tool_call>' % DEEP),
-    (HermesToolParser(), '<tool_call>{"name": %s, "arguments": {}}</tool_call>' % DEEP),
-    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": "%s"}</tool_call>' % DEEP.replace("]", "")),
-    (Llama3JsonToolParser(), '{"name": "f", "parameters": {"a": %s}}' % DEEP),
-    (JsonArrayToolParser(), '[{"name": "f", "arguments": {"a": %s}}]' % DEEP),
-    (JsonArrayToolParser(), '[{"name": %s, "arguments": {}}]' % DEEP),
+    (HermesToolParser(), 'ok <tool_call>{"name": "f", "arguments": {"a": ' + DEEP + '}}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{"name": ' + DEEP + ', "arguments": {}}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": "' + DEEP.replace("]", "") + '"}</tool_call>'),
+    (Llama3JsonToolParser(), '{"name": "f", "parameters": {"a": ' + DEEP + '}}'),
+    (JsonArrayToolParser(), '[{"name": "f", "arguments": {"a": ' + DEEP + '}}]'),
+    (JsonArrayToolParser(), '[{"name": ' + DEEP + ', "arguments": {}}]'),
 ], ids=["hermes-args", "hermes-name", "hermes-string-args", "llama3-args", "array-args", "array-name"])
 def test_deeply_nested_arguments_are_text_not_a_failure(parser, text):
     """json.loads raises RecursionError on such output (a client can force it with regex or ebnf
@@ -210,11 +210,11 @@ def test_deep_arguments_in_a_batch_output_become_text_and_sent_back_ones_stay_te
     from cluster.openai_params import message_tool_calls
     from engine.engine import StreamDelta
 
-    text = '[{"name": "f", "arguments": {"a": %s}}]' % DEEP
+    text = '[{"name": "f", "arguments": {"a": ' + DEEP + '}}]'
     delta = StreamDelta(rid="r", text=text, token_ids=[1], finish_reason="stop", prompt_tokens=2,
                         completion_tokens=1)
     row = result_row("row-1", [delta], [1, 2], parser=JsonArrayToolParser())
     assert row.error is None and row.tool_calls is None and row.text == text and row.finish_reason == "stop"
-    args = '{"a": %s}' % DEEP  # a client sends such a call back in an assistant message
+    args = '{"a": ' + DEEP + '}'  # a client sends such a call back in an assistant message
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}
     assert message_tool_calls([call])[0]["function"]["arguments"] == args

@@ -86,7 +86,7 @@ def test_serve_configs_agree():
         fleet_size = {"num_engines", "min_engines", "max_engines"}
         assert set(app["args"]) - {"dp_attention", "dp_group_size", "served_model_name"} - fleet_size <= set(
             local["args"]) | {"model_path"}, name
-    from deploy.app import AppArgs
+    from deploy.options import AppArgs
 
     known = AppArgs.flat_fields()
     for name, cfg in configs:

@@ -91,7 +91,8 @@ def test_the_scaling_recipe_parses_and_builds():
 
     from cluster.__main__ import serve_parser
     from cluster.cli import given
-    from deploy.app import AppArgs, build_app
+    from deploy.app import build_app
+    from deploy.options import AppArgs
     from tests.conftest import data_path
 
     text = (ROOT / "README.md").read_text()
