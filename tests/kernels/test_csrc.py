@@ -1,0 +1,49 @@
+"""The CPU kernels' C++ sources (kernels/csrc): what the build compiles, what keys its folder, and
+what a non-editable install ships. None of this needs a compiler."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+
+import tomllib
+
+from kernels import cpu_kernels
+from tests.conftest import ROOT
+
+
+def test_the_build_compiles_the_files_in_csrc():
+    files = {os.path.basename(p) for p in cpu_kernels.source_files()}
+    assert set(cpu_kernels.SOURCES) <= files and "common.h" in files
+    # Every .cpp is compiled: a file left out of SOURCES would leave its operators undefined.
+    assert {f for f in files if f.endswith(".cpp")} == set(cpu_kernels.SOURCES)
+    assert not hasattr(cpu_kernels, "_SOURCE")  # no C++ kept in a Python string
+
+
+def test_the_build_key_changes_with_any_source_file(tmp_path, monkeypatch):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+    here = cpu_kernels.build_digest(str(csrc))
+    assert here == cpu_kernels.build_digest()  # the contents count, not the folder
+    for name in ("attention.cpp", "common.h"):
+        path = csrc / name
+        text = path.read_text()
+        path.write_text(text + "\n// an edit\n")
+        assert cpu_kernels.build_digest(str(csrc)) != here, name
+        path.write_text(text)
+    assert cpu_kernels.build_digest(str(csrc)) == here
+    (csrc / "extra.h").write_text("#pragma once\n")  # a new header counts too
+    assert cpu_kernels.build_digest(str(csrc)) != here
+    (csrc / "extra.h").unlink()
+    monkeypatch.setattr(cpu_kernels, "cpu_signature", lambda: "x86_64 other-cpu sse2")
+    assert cpu_kernels.build_digest(str(csrc)) != here  # the CPU stays in the key
+
+
+def test_the_sources_are_package_data():
+    """A non-editable install ships every C++ file next to cpu_kernels.py."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["kernels"]
+    for path in cpu_kernels.source_files():
+        rel = os.path.relpath(path, os.path.dirname(cpu_kernels.__file__))
+        assert any(fnmatch.fnmatch(rel, p) for p in patterns), rel
