@@ -39,8 +39,9 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import jinja2
 import msgspec
 import numpy as np
 import pyarrow as pa
@@ -53,6 +54,9 @@ from cluster.tool_parsers import TOOL_PARSERS, JsonArrayToolParser, ToolParser, 
 from engine.errors import ConfigError, InvalidRequestError
 from engine.limits import DEFAULT_LIMITS, RequestLimits
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.inputs import InputProcessor
 
 DEFAULT_MAX_TOKENS = 256
 INPUT_EXTENSIONS = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".json.gz", ".parquet")
@@ -508,27 +512,41 @@ class Preprocess:
             parsed = [p if own else (src, None, f"duplicate id {p[0]!r}: ids must be unique; only the "
                                                 "first row read with it is run")
                       for p, src, own in zip(parsed, srcs, owns)]
-        encoder = msgspec.msgpack.Encoder()
-        failed: list[tuple[str, str]] = []
-        work: list[tuple[list[int], str, bytes, str | None, str | None]] = []
-        for rid, line, err in parsed:
-            if err is None:
-                try:
-                    ids = inputs.tokenize(prompt=line.prompt, messages=line.messages, tools=line.tool_dicts())
-                    params = line.params()
-                    inputs.validate_request(len(ids), params)
-                    parser = parser_for(line.tool_mode, self.tool_call_parser)
-                    work.append((ids, rid, encoder.encode(params), line.prompt if line.echo else None,
-                                 None if parser is None else parser.name))
-                    continue
-                except InvalidRequestError as e:
-                    err = str(e)
-            failed.append((rid, err))
-        work.sort(key=lambda w: w[0])
+        failed, work = tokenize_rows(parsed, inputs, self.tool_call_parser)
         none = [None] * len(failed)
         return pa.table([[r for r, _ in failed] + [w[1] for w in work], none + [w[0] for w in work],
                          none + [w[2] for w in work], [e for _, e in failed] + [None] * len(work),
                          none + [w[3] for w in work], none + [w[4] for w in work]], schema=WORK_SCHEMA)
+
+
+def tokenize_rows(parsed: list[tuple[str, BatchLine | None, str | None]], inputs: InputProcessor,
+                  tool_call_parser: str | None = None
+                  ) -> tuple[list[tuple[str, str]], list[tuple[list[int], str, bytes, str | None, str | None]]]:
+    """Parsed rows -> (error rows as (id, error), work rows as (token ids, id, msgpack params,
+    echo prompt, tool parser name) in token order). A row that fails here, its chat template
+    included, is an error row of its own: it never fails the window it came in."""
+    encoder = msgspec.msgpack.Encoder()
+    failed: list[tuple[str, str]] = []
+    work: list[tuple[list[int], str, bytes, str | None, str | None]] = []
+    for rid, line, err in parsed:
+        if err is None:
+            try:
+                ids = inputs.tokenize(prompt=line.prompt, messages=line.messages, tools=line.tool_dicts())
+                params = line.params()
+                inputs.validate_request(len(ids), params)
+                parser = parser_for(line.tool_mode, tool_call_parser)
+                work.append((ids, rid, encoder.encode(params), line.prompt if line.echo else None,
+                             None if parser is None else parser.name))
+                continue
+            except InvalidRequestError as e:
+                err = str(e)
+            except RecursionError:  # a chat template over deeply nested content (tools | tojson)
+                err = "request nested too deeply"
+            except jinja2.TemplateError as e:  # the tokenizer converts its own; any other template error
+                err = f"chat template failed: {e}"
+        failed.append((rid, err))
+    work.sort(key=lambda w: w[0])
+    return failed, work
 
 
 class Generate:
@@ -800,6 +818,10 @@ def run_driver_loop(cfg: ClusterConfig, input_path: str, output_path: str, max_i
                             finish_reason=last.finish_reason)
                     except InvalidRequestError as e:
                         row = ResultRow(id=rid, error=str(e))
+                    except RecursionError:  # a chat template over deeply nested content
+                        row = ResultRow(id=rid, error="request nested too deeply")
+                    except jinja2.TemplateError as e:
+                        row = ResultRow(id=rid, error=f"chat template failed: {e}")
                     out.write(msgspec.json.encode(row).decode() + "\n")
                     summary.rows += 1
                     summary.errors += row.error is not None

@@ -91,6 +91,49 @@ def test_stop_lists_over_the_limits_are_error_rows(fields, limit):
     assert rid == "a" and line is None and f"{limit}=" in err
 
 
+# A template that walks a tool's parameters recursively, as real ones render nested schemas.
+WALKING_TEMPLATE = (
+    "{% macro walk(v) %}{% if v is mapping %}{% for k in v %}{{ k }}{{ walk(v[k]) }}{% endfor %}{% endif %}"
+    "{% endmacro %}{% for t in tools or [] %}{{ walk(t) }}{% endfor %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+)
+
+
+def _inputs(tmp_path, template: str):
+    from engine.builtin_model import byte_level_tokenizer
+    from engine.inputs import InputProcessor
+    from engine.tokenizer import Tokenizer
+
+    tok = byte_level_tokenizer()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                "chat_template": template}))
+    tokenizer = Tokenizer(str(tmp_path))
+    return InputProcessor(tokenizer, tokenizer.vocab_size, 4096, 8192)
+
+
+def test_a_chat_template_that_fails_makes_an_error_row_not_a_failed_window(tmp_path):
+    from cluster.batch import tokenize_rows
+
+    inputs = _inputs(tmp_path, WALKING_TEMPLATE)
+    deep: dict = {}
+    for _ in range(400):  # parses (json.loads takes it), but the template's recursion does not
+        deep = {"p": deep}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    chat = [{"role": "user", "content": "hi"}]
+    rows = [json.dumps({"id": "deep", "messages": chat, "tools": [tool], "tool_choice": "none", "max_tokens": 4}),
+            json.dumps({"id": "ok", "messages": chat, "max_tokens": 4})]
+    parsed = [parse_row(raw, f"f:{i}", "radixray-builtin") for i, raw in enumerate(rows)]
+    assert all(err is None for _, _, err in parsed)
+    failed, work = tokenize_rows(parsed, inputs)
+    assert failed == [("deep", "request nested too deeply")]
+    assert [w[1] for w in work] == ["ok"] and work[0][0]  # the other row of the window still runs
+
+    raising = _inputs(tmp_path, "{{ raise_exception('no system role') }}")
+    failed, work = tokenize_rows(parsed[1:], raising)
+    assert work == [] and failed[0][0] == "ok" and "no system role" in failed[0][1]
+
+
 # ---- a stream that fails for a reason other than its client ---------------------------------------
 def _server():
     """The front end's class without Serve: only what _sse reads."""
