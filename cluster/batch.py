@@ -302,7 +302,8 @@ def parse_row(raw: str, src: str, model_name: str, tool_call_parser: str | None 
               limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, BatchLine | None, str | None]:
     """-> (id, parsed row or None, error or None). A row with no usable id is named by src.
     `tool_call_parser`: the job's, for rows with tool_choice "auto". A line over
-    limits.max_body_bytes is not parsed; the stop lists are checked before they are copied."""
+    limits.max_body_bytes is not parsed; the message count and the stop lists are checked before
+    they are copied."""
     limit = limits.max_body_bytes
     if len(raw) > limit or (4 * len(raw) > limit and len(raw.encode("utf-8", "surrogatepass")) > limit):
         return src, None, f"a line over {limit} bytes (limit max_body_bytes={limit})"
@@ -324,6 +325,8 @@ def parse_row(raw: str, src: str, model_name: str, tool_call_parser: str | None 
     if line.model is not None and line.model != model_name:
         return rid, None, f"model {line.model!r} does not exist (running {model_name!r})"
     try:
+        if line.messages is not None:
+            limits.check_messages(len(line.messages))
         limits.check_stops(line.stop, line.stop_token_ids)
         line.params()
         parser_for(line.tool_mode, tool_call_parser)

@@ -410,8 +410,10 @@ class OpenAIServer:
         req = await self._read(request, TokenizeRequest)
         if isinstance(req, Response):
             return req
-        prompt = req.prompt_input()
         try:
+            if req.messages is not None:
+                self.limits.check_messages(len(req.messages))
+            prompt = req.prompt_input()
             self.cluster.inputs.check_prompt_chars(prompt.get("prompt"), prompt.get("messages"), prompt.get("tools"))
             ids = await self._off_loop(self.cluster.inputs.tokenize, **prompt)
         except InvalidRequestError as e:
@@ -454,6 +456,8 @@ class OpenAIServer:
         try:
             # The limits first, cheapest first: nothing is copied, tokenized or queued for a
             # request over one of them.
+            if chat:
+                self.limits.check_messages(len(req.messages))
             self.limits.check_stops(req.stop, req.stop_token_ids)
             params = req.sampling(self.http.default_max_tokens)
             self.limits.check_choices(req.num_prompts(), req.n)

@@ -69,7 +69,9 @@ class InputProcessor:
     def tokenize(self, prompt: str | None = None, input_ids: list[int] | None = None,
                  messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
         """`tools` (with messages): the tool definitions the chat template renders. A prompt over
-        the character limit is refused before any of it is tokenized."""
+        the character or message limit is refused before any of it is tokenized."""
+        if isinstance(messages, list):
+            self.limits.check_messages(len(messages))
         self.check_prompt_chars(prompt, messages, tools)
         if sum(x is not None for x in (prompt, input_ids, messages)) != 1:
             raise InvalidRequestError("give exactly one of prompt, input_ids or messages", "prompt")

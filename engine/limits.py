@@ -1,8 +1,8 @@
 """RequestLimits: every size limit a request meets before any work is done for it (one config
 section, `limits`, shared by the engine, the HTTP front ends and the batch job).
 
-The engine checks the stop lists (`InputProcessor.validate_request`) and the characters of a
-prompt it tokenizes (`InputProcessor.tokenize`), so they hold for direct `Engine` users too; the
+The engine checks the stop lists (`InputProcessor.validate_request`) and the messages and
+characters of a prompt it tokenizes (`InputProcessor.tokenize`), so they hold for direct `Engine` users too; the
 front end (deploy/app.py) also checks body bytes (while reading), prompts and choices per
 request, and checks the rest before it tokenizes anything; the batch job checks a line's bytes.
 
@@ -44,6 +44,8 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Characters of one prompt (a chat: its messages and tools) before it is tokenized (OpenAI
     # takes 1,048,576 a message).
     max_prompt_chars: int = 1 << 20
+    # Messages of one chat, counted before any of them is rendered or tokenized.
+    max_messages: int = 4096
     # Stop strings of one request (OpenAI takes 4).
     max_stop_strings: int = 16
     # Characters of one stop string (each step decodes that many output tokens to look for it).
@@ -83,6 +85,11 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if count > self.max_stop_token_ids:
             raise LimitExceededError(f"{count} stop_token_ids", "stop_token_ids", "max_stop_token_ids",
                                      self.max_stop_token_ids)
+
+    def check_messages(self, count: int) -> None:
+        """The messages of one chat (before they are copied, rendered or tokenized)."""
+        if count > self.max_messages:
+            raise LimitExceededError(f"{count} messages in one chat", "messages", "max_messages", self.max_messages)
 
     def check_prompt_chars(self, chars: int, param: str = "prompt") -> None:
         if chars > self.max_prompt_chars:

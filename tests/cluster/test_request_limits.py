@@ -91,6 +91,16 @@ def test_stop_lists_over_the_limits_are_error_rows(fields, limit):
     assert rid == "a" and line is None and f"{limit}=" in err
 
 
+def test_a_chat_over_the_message_limit_is_an_error_row():
+    chat = [{"role": "user", "content": "hi"}] * 5
+    rid, line, err = parse_row(json.dumps({"id": "a", "messages": chat}), "f:1", "radixray-builtin",
+                               limits=RequestLimits(max_messages=4))
+    assert rid == "a" and line is None and "max_messages=4" in err
+    rid, line, err = parse_row(json.dumps({"id": "a", "messages": chat}), "f:1", "radixray-builtin",
+                               limits=RequestLimits(max_messages=5))
+    assert err is None
+
+
 # A template that walks a tool's parameters recursively, as real ones render nested schemas.
 WALKING_TEMPLATE = (
     "{% macro walk(v) %}{% if v is mapping %}{% for k in v %}{{ k }}{{ walk(v[k]) }}{% endfor %}{% endif %}"

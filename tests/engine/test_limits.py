@@ -122,3 +122,16 @@ def test_count_chars_walks_deep_values_without_recursion():
     for _ in range(100_000):
         deep = [deep, {"k": "d"}]
     assert count_chars(deep) == 3 + 100_000 * 2
+
+
+def test_messages_over_the_limit_are_refused_before_they_are_rendered(engine):
+    limits = RequestLimits(max_messages=3)
+    limits.check_messages(3)
+    with pytest.raises(LimitExceededError) as err:
+        limits.check_messages(4)
+    assert err.value.limit == "max_messages" and err.value.param == "messages" and "max_messages=3" in str(err.value)
+    chat = [{"role": "user", "content": "hi"}] * (DEFAULT_LIMITS.max_messages + 1)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.inputs.tokenize(messages=chat)
+    refused(err, "max_messages", "messages")
+    assert engine.inputs.tokenize(messages=chat[:DEFAULT_LIMITS.max_messages])
