@@ -328,7 +328,7 @@ def parse_row(raw: str, src: str, model_name: str, tool_call_parser: str | None 
         if line.messages is not None:
             limits.check_messages(len(line.messages))
         limits.check_stops(line.stop, line.stop_token_ids)
-        line.params()
+        limits.check_grammar(line.params().constraint)
         parser_for(line.tool_mode, tool_call_parser)
     except InvalidRequestError as e:
         return rid, None, str(e)

@@ -460,6 +460,7 @@ class OpenAIServer:
                 self.limits.check_messages(len(req.messages))
             self.limits.check_stops(req.stop, req.stop_token_ids)
             params = req.sampling(self.http.default_max_tokens)
+            self.limits.check_grammar(params.constraint)  # before it is compiled
             self.limits.check_choices(req.num_prompts(), req.n)
             parser = parser_for(req.tool_mode, self.http.tool_call_parser) if chat else None
             prompts = req.prompts()

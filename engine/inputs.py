@@ -23,7 +23,7 @@ class InputProcessor:
                  eos_token_ids: Iterable[int] | None = None, grammar_backend: str = "llguidance",
                  json_whitespace_pattern: str | None = None, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         self.tokenizer = tokenizer
-        self.limits = limits  # the stop lists and prompt characters are checked here
+        self.limits = limits  # the stop lists, grammar, messages and prompt characters are checked here
         self.vocab_size = vocab_size
         # A request must fit the context and the KV pool (one slot stays free for padding).
         self.max_len = min(max_context_len, max_total_tokens - 1)
@@ -109,6 +109,7 @@ class InputProcessor:
         """What SamplingParams cannot check alone: the request limits, the context limit and the
         vocabulary."""
         self.limits.check_stops(params.stop, params.stop_token_ids)
+        self.limits.check_grammar(params.constraint)
         vocab = self.vocab_size
         if params.top_k > vocab:
             raise InvalidRequestError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}",

@@ -1,20 +1,22 @@
 """RequestLimits: every size limit a request meets before any work is done for it (one config
 section, `limits`, shared by the engine, the HTTP front ends and the batch job).
 
-The engine checks the stop lists (`InputProcessor.validate_request`) and the messages and
-characters of a prompt it tokenizes (`InputProcessor.tokenize`), so they hold for direct `Engine` users too; the
-front end (deploy/app.py) also checks body bytes (while reading), prompts and choices per
-request, and checks the rest before it tokenizes anything; the batch job checks a line's bytes.
+The engine checks the stop lists and the structured-output spec
+(`InputProcessor.validate_request`) and the messages and characters of a prompt it tokenizes
+(`InputProcessor.tokenize`), so they hold for direct `Engine` users too; the front end
+(deploy/app.py) also checks body bytes (while reading), prompts and choices per request, and
+checks the rest before it tokenizes or compiles anything; the batch job checks a line's bytes.
 
 What others allow, for the defaults: OpenAI takes at most 4 stop sequences, n up to 128, an
 array of up to 2048 prompts in one completions request and message contents of up to 1,048,576
 characters; vLLM limits none of these (only the context, after tokenization). The defaults below
 are at least as generous as OpenAI's, except that they bound what OpenAI does not state (stop
-string length, stop_token_ids, prompts x n)."""
+string length, stop_token_ids, prompts x n, messages, grammar size)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from types import MappingProxyType
 
 import msgspec
 
@@ -52,6 +54,10 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_stop_str_len: int = 256
     # Entries of stop_token_ids.
     max_stop_token_ids: int = 1024
+    # Characters of a structured-output spec (a JSON schema, regex or EBNF grammar; a tool's
+    # parameters schema too): compiling one takes time and memory that grow with it. Specs over
+    # 1 MiB are refused whatever this is (SamplingParams).
+    max_grammar_chars: int = 256 << 10
     # Tokenizations and chat templates running at once in one front-end replica (a thread pool
     # off its event loop; the others wait their turn).
     tokenize_threads: int = 2
@@ -86,6 +92,14 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise LimitExceededError(f"{count} stop_token_ids", "stop_token_ids", "max_stop_token_ids",
                                      self.max_stop_token_ids)
 
+    def check_grammar(self, constraint: tuple[str, str] | None) -> None:
+        """A request's structured-output spec, (kind, spec) as SamplingParams.constraint gives it
+        (before it is compiled)."""
+        if constraint is not None and len(constraint[1]) > self.max_grammar_chars:
+            kind, spec = constraint
+            raise LimitExceededError(f"a {kind} of {len(spec)} characters", _GRAMMAR_PARAMS.get(kind, kind),
+                                     "max_grammar_chars", self.max_grammar_chars)
+
     def check_messages(self, count: int) -> None:
         """The messages of one chat (before they are copied, rendered or tokenized)."""
         if count > self.max_messages:
@@ -98,6 +112,8 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 DEFAULT_LIMITS = RequestLimits()
+# The request parameter that carries each kind of structured-output spec.
+_GRAMMAR_PARAMS = MappingProxyType({"json_schema": "response_format"})
 
 def count_chars(value: object) -> int:
     """Characters of every string in a JSON-like value (messages, tools), dict keys included;

@@ -101,6 +101,13 @@ def test_a_chat_over_the_message_limit_is_an_error_row():
     assert err is None
 
 
+def test_a_grammar_over_the_limit_is_an_error_row():
+    raw = json.dumps({"id": "a", "prompt": "x", "regex": "a" * 9})
+    rid, line, err = parse_row(raw, "f:1", "radixray-builtin", limits=RequestLimits(max_grammar_chars=8))
+    assert rid == "a" and line is None and "max_grammar_chars=8" in err
+    assert parse_row(raw, "f:1", "radixray-builtin", limits=RequestLimits(max_grammar_chars=9))[2] is None
+
+
 # A template that walks a tool's parameters recursively, as real ones render nested schemas.
 WALKING_TEMPLATE = (
     "{% macro walk(v) %}{% if v is mapping %}{% for k in v %}{{ k }}{{ walk(v[k]) }}{% endfor %}{% endif %}"

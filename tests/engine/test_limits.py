@@ -135,3 +135,18 @@ def test_messages_over_the_limit_are_refused_before_they_are_rendered(engine):
         engine.inputs.tokenize(messages=chat)
     refused(err, "max_messages", "messages")
     assert engine.inputs.tokenize(messages=chat[:DEFAULT_LIMITS.max_messages])
+
+
+@pytest.mark.parametrize("field,param", [("regex", "regex"), ("ebnf", "ebnf"), ("json_schema", "response_format")])
+def test_structured_output_specs_over_the_limit_are_refused_before_they_compile(engine, field, param):
+    over = "a" * (DEFAULT_LIMITS.max_grammar_chars + 1)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.submit(PROMPT, SamplingParams(max_new_tokens=2, **{field: over}), lambda d: None)
+    refused(err, "max_grammar_chars", param)
+    limits = RequestLimits(max_grammar_chars=8)
+    limits.check_grammar(None)
+    limits.check_grammar((field, "a" * 8))
+    with pytest.raises(LimitExceededError) as err:
+        limits.check_grammar((field, "a" * 9))
+    assert err.value.param == param and "max_grammar_chars=8" in str(err.value)
+    engine.check_memory()
