@@ -56,7 +56,7 @@ class ForwardMode(IntEnum):
 
 
 SUPPORTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE,
-                             ForwardMode.TARGET_VERIFY})
+                             ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2})
 
 
 def require_supported(mode: ForwardMode) -> None:

@@ -10,8 +10,6 @@ the same penalties (over the output including the drafts before it), temperature
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import msgspec
 import torch
 
@@ -127,15 +125,6 @@ class VerifyResult(msgspec.Struct):
     bad: list[bool]
     drafted: int  # draft tokens scored
     accepted: int  # draft tokens kept
-
-
-@dataclass
-class _Position:
-    """A request as the plain sampler would see it at one verify position."""
-
-    sampling_params: object
-    origin_input_ids: list[int]
-    output_ids: list[int]
 
 
 def verify(logits: torch.Tensor, reqs: list[Req], drafts: list[list[int]]) -> VerifyResult:
