@@ -40,6 +40,7 @@ from deploy.protocol import (
 from engine import InvalidRequestError, SamplingParams, StreamDelta
 from engine.errors import invalid_request_from
 from engine.logs import log_to_stderr
+from engine.tokenizer import LONG_TEXT_CHARS
 
 log = logging.getLogger("radixray.http")
 
@@ -229,8 +230,9 @@ class OpenAIServer:
         self.engine_stats = StatsCache(self._fetch_stats, self.http.metrics_refresh_s)
         self.encoder = msgspec.json.Encoder()  # one per replica: reused by every event
         self.limits = self.args.cluster.limits
-        # Tokenization and chat templates run here, off the event loop (a long prompt would stall
-        # every stream of this replica), at most tokenize_threads at once.
+        # Long prompts' tokenization, chat templates and grammars run here, off the event loop
+        # (they would stall every stream of this replica), at most tokenize_threads at once;
+        # short ones run inline (_tokenizing).
         self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(self.limits.tokenize_threads,
                                                                    thread_name_prefix="radixray-tokenize")
         self.created = int(time.time())
@@ -414,8 +416,9 @@ class OpenAIServer:
             if req.messages is not None:
                 self.limits.check_messages(len(req.messages))
             prompt = req.prompt_input()
-            self.cluster.inputs.check_prompt_chars(prompt.get("prompt"), prompt.get("messages"), prompt.get("tools"))
-            ids = await self._off_loop(self.cluster.inputs.tokenize, **prompt)
+            size = self.cluster.inputs.check_prompt_chars(prompt.get("prompt"), prompt.get("messages"),
+                                                          prompt.get("tools"))
+            ids = await self._tokenizing(size, self.cluster.inputs.tokenize, **prompt)
         except InvalidRequestError as e:
             return invalid_response(e)
         except RecursionError:  # a chat template over deeply nested content
@@ -431,7 +434,8 @@ class OpenAIServer:
             self.cluster.inputs.validate_input_ids(req.tokens)
         except InvalidRequestError as e:
             return error_response(400, str(e).replace("the prompt", "tokens"), param="tokens")
-        text = await self._off_loop(self.cluster.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        text = await self._tokenizing(len(req.tokens), self.cluster.tokenizer.decode, req.tokens,
+                                      skip_special_tokens=False)
         return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
@@ -464,9 +468,14 @@ class OpenAIServer:
             self.limits.check_choices(req.num_prompts(), req.n)
             parser = parser_for(req.tool_mode, self.http.tool_call_parser) if chat else None
             prompts = req.prompts()
+            size = 0
             for p in prompts:
-                self.cluster.inputs.check_prompt_chars(p.get("prompt"), p.get("messages"), p.get("tools"))
-            inputs = await self._off_loop(self._tokenize_and_check, prompts, params, parser)
+                size += self.cluster.inputs.check_prompt_chars(p.get("prompt"), p.get("messages"), p.get("tools"))
+                size += len(p.get("input_ids") or ())
+            # A grammar (or a tool schema) may take long to compile, whatever the prompt's size.
+            compiles = params.constraint is not None or isinstance(parser, JsonArrayToolParser)
+            inputs = await self._tokenizing(LONG_TEXT_CHARS if compiles else size, self._tokenize_and_check,
+                                            prompts, params, parser)
         except InvalidRequestError as e:
             return self._rejected(rid, invalid_response(e))
         except RecursionError:  # a chat template over deeply nested content
@@ -485,6 +494,14 @@ class OpenAIServer:
         choices = [(ids, self._choice_params(params, j, share_prompt_logprobs=not req.stream))
                    for ids in inputs for j in range(req.n)]
         return await self._respond(request, req, rid, obj, choices, out)
+
+    async def _tokenizing(self, size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn inline on the event loop when its input is short (`size` characters or token ids
+        under LONG_TEXT_CHARS), else on the tokenizer pool: a short request never waits behind
+        long ones holding every thread of the pool, and a short one stalls no stream for long."""
+        if size < LONG_TEXT_CHARS:
+            return fn(*args, **kwargs)
+        return await self._off_loop(fn, *args, **kwargs)
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """fn on the tokenizer pool (bounded: tokenize_threads at once): the event loop, and every

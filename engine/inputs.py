@@ -90,13 +90,18 @@ class InputProcessor:
         self.validate_input_ids(ids)
         return list(ids)
 
-    def check_prompt_chars(self, prompt: Any = None, messages: Any = None, tools: Any = None) -> None:
+    def check_prompt_chars(self, prompt: Any = None, messages: Any = None, tools: Any = None) -> int:
         """The characters of a text prompt, or of a chat's messages and tools, against
-        limits.max_prompt_chars: cheap, so callers run it before they hand tokenization elsewhere."""
+        limits.max_prompt_chars: cheap, so callers run it before they hand tokenization elsewhere.
+        Returns the characters counted."""
         if isinstance(prompt, str):
             self.limits.check_prompt_chars(len(prompt))
-        elif messages is not None:
-            self.limits.check_prompt_chars(count_chars(messages) + count_chars(tools), "messages")
+            return len(prompt)
+        if messages is not None:
+            chars = count_chars(messages) + count_chars(tools)
+            self.limits.check_prompt_chars(chars, "messages")
+            return chars
+        return 0
 
     def validate_input_ids(self, ids: Any) -> None:
         if not isinstance(ids, list | tuple) or not ids:

@@ -191,3 +191,30 @@ def test_a_cancelled_stream_counts_as_aborted():
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(_events(server, asyncio.CancelledError()))
     assert server.metrics.requests["aborted"] == 1 and server.metrics.requests["error"] == 0
+
+
+def test_short_inputs_tokenize_inline_while_long_ones_hold_the_pool():
+    """A short request does not queue behind long ones that hold every tokenizer thread."""
+    import concurrent.futures
+    import threading
+
+    from engine.tokenizer import LONG_TEXT_CHARS
+
+    server = _server()
+    server.tokenize_pool = concurrent.futures.ThreadPoolExecutor(1)
+    release = threading.Event()
+
+    async def run() -> None:
+        loop_thread = threading.get_ident()
+        long = asyncio.create_task(server._tokenizing(LONG_TEXT_CHARS, lambda: (release.wait(30), threading.get_ident())))
+        await asyncio.sleep(0)  # the long one takes the pool's only thread
+        short = await asyncio.wait_for(server._tokenizing(LONG_TEXT_CHARS - 1, threading.get_ident), 10)
+        assert short == loop_thread and not long.done()
+        release.set()
+        assert (await long)[1] != loop_thread
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+        server.tokenize_pool.shutdown()
