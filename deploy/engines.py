@@ -32,12 +32,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.dp_coordinator import DPCoordinator
 from actors.engine_actor import EngineActor
 from actors.protocol import EngineInfo, GenerateRequest, encode
+from cluster.cluster import ACTOR_NAMESPACE
 from deploy.options import AppArgs, FleetOptions
 from engine import SamplingParams
 from engine.logs import log_to_stderr
 
 log = logging.getLogger("radixray.engines")
-ACTOR_NAMESPACE = "radixray"
 LEASE_S = 10.0  # an engine that has not renewed its lease for this long has left the fleet
 RENEW_PERIOD_S = 1.0
 
