@@ -65,6 +65,12 @@ ERROR_STATUS = MappingProxyType({"invalid_request": (400, "invalid_request_error
                 "engine_error": (500, "server_error"), "draining": (503, "server_error")})
 
 
+def internal_error_message(rid: str) -> str:
+    """What a client is told of a failure inside the server: the request id to quote, never the
+    exception's text (it may name internals); the log has the details under that id."""
+    return f"internal error while serving the request (request id {rid}); the server log has the details"
+
+
 def invalid_response(e: InvalidRequestError) -> JSONResponse:
     """A 400 naming the parameter (and, for a request over a limit, the limit: code limit_exceeded)."""
     return error_response(400, str(e), param=e.param, code=getattr(e, "code", None))
@@ -290,7 +296,7 @@ class OpenAIServer:
         def failed(i: int, e: Exception) -> StreamDelta:  # a bug: an explicit error, never a choice with no end
             log.exception("request %s failed", rids[i])
             return StreamDelta(rid=rids[i], text="", token_ids=[], finish_reason="abort",
-                               prompt_tokens=len(choices[i][0]), error=f"{type(e).__name__}: {e}",
+                               prompt_tokens=len(choices[i][0]), error=internal_error_message(rids[i]),
                                error_kind="engine_error")
 
         try:
@@ -565,11 +571,10 @@ class OpenAIServer:
         except ClientDisconnected:
             self._client_left(rid, len(choices))
             return Response(status_code=499)  # nobody reads it
-        except Exception as e:  # a failure here, not a client that left
+        except Exception:  # a failure here, not a client that left
             log.exception("request %s failed", rid)
             self.metrics.requests["error"] += len(choices)
-            return error_response(500, f"the request failed: {type(e).__name__}: {e}", "server_error",
-                                  code="internal_error")
+            return error_response(500, internal_error_message(rid), "server_error", code="internal_error")
         except BaseException:  # cancelled: the client timed out or went away, or a shutdown
             self._client_left(rid, len(choices))
             raise
@@ -670,9 +675,8 @@ class OpenAIServer:
                 ended += 1
         if failure is not None:
             self.metrics.requests["error"] += n - ended  # the choices it left without an end
-            yield b"data: " + encode({"error": {"message": f"the stream failed: {type(failure).__name__}: {failure}",
-                                                "type": "server_error", "param": None,
-                                                "code": "internal_error"}}) + b"\n\n"
+            yield b"data: " + encode({"error": {"message": internal_error_message(rid), "type": "server_error",
+                                                "param": None, "code": "internal_error"}}) + b"\n\n"
             yield b"data: [DONE]\n\n"
             return
         if req.include_usage:
