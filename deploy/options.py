@@ -4,6 +4,7 @@ The front ends (deploy/app.py) and the engine replicas (deploy/engines.py) both 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Literal
 
@@ -66,6 +67,10 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # /metrics serves the engines' and the fleet's figures as fetched at most this many seconds
     # ago (one fetch per interval per front end, whatever the scrape rate).
     metrics_refresh_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.metrics_refresh_s < math.inf:  # nan too: the cache would refresh on every scrape or never
+            raise ConfigError(f"metrics_refresh_s must be a number of seconds > 0, got {self.metrics_refresh_s!r}")
 
 
 class AppArgs(msgspec.Struct, frozen=True, kw_only=True):

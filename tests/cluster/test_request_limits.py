@@ -42,6 +42,15 @@ def test_app_args_take_the_limits_flat():
     assert AppArgs.from_dict({"limits": {"max_prompts": 3}}).cluster.limits.max_prompts == 3
 
 
+@pytest.mark.parametrize("value", [0, -1, "0", float("nan"), float("inf")])
+def test_metrics_refresh_must_be_positive(value):
+    from deploy.options import AppArgs
+
+    with pytest.raises(ConfigError, match="metrics_refresh_s"):
+        AppArgs.from_dict({"metrics_refresh_s": value})
+    assert AppArgs.from_dict({"metrics_refresh_s": "0.25"}).http.metrics_refresh_s == 0.25
+
+
 @pytest.mark.parametrize("body,count", [
     ({"prompt": "a"}, 1), ({"prompt": [1, 2, 3]}, 1), ({"prompt": ["a"] * 5}, 5), ({"prompt": [[1], [2]]}, 2),
 ])
