@@ -411,13 +411,14 @@ def chunked_upload(base: str, path: str, total: int, chunk: int = 1 << 16) -> tu
 
 def test_oversized_requests_are_refused_at_once_while_another_client_streams(app):
     """Issue 25 section 1: each oversized request is refused (400, or 413 for the body) within a
-    second (the median of three tries), naming its limit, before any work: fan-out (prompts x n), a 64 MiB chunked body
-    without Content-Length, 300,000 stop ids (eight at once), long stop strings, multi-megabyte
+    second (every one of three tries), naming its limit, before any work: fan-out (prompts x n), a 64 MiB
+    chunked body without Content-Length, 300,000 stop ids (eight at once), long stop strings, multi-megabyte
     prompts, and a long prompt under the character limit that must be tokenized (off the event
     loop) to find it does not fit. Meanwhile a stream keeps its longest gap between events under
-    1.5 s, a normal 32-token request takes at most 3x its time without the attacks (medians; the
-    stream runs in both), and the front end's private memory (sampled every 50 ms) grows by less
-    than 48 MiB while the requests come one at a time (eight 2 MB bodies at once: 96 MiB)."""
+    1.5 s, every normal 32-token request sent during the attacks takes at most 3x its typical time
+    without them (the stream runs in both), and the front end's private memory (sampled every
+    50 ms) grows by less than 48 MiB while the requests come one at a time (eight 2 MB bodies at
+    once: 96 MiB)."""
     import threading
 
     base, engines = app
@@ -477,7 +478,7 @@ def test_oversized_requests_are_refused_at_once_while_another_client_streams(app
         thread = threading.Thread(target=streamer, daemon=True)
         thread.start()
         time.sleep(1.0)
-        alone = sorted(normal(c) for _ in range(5))[2]
+        alone = sorted(normal(c) for _ in range(5))[2]  # its typical time alone: the median of five
         peak = {"one at a time": rss_before, "eight at once": rss_before}
         eight_at_once = threading.Event()
 
@@ -535,26 +536,23 @@ def test_oversized_requests_are_refused_at_once_while_another_client_streams(app
             stop.set()
             thread.join(timeout=120)
             watcher.join(timeout=10)
-    # Each kind is sent three times (eight at once for the stop ids); its median counts: what this
-    # bounds is work done for the oversized part, which would make every try slow, while the
-    # transport of a few MiB through Serve's proxy on a loaded machine varies from try to try.
-    times = {what: sorted(ts)[len(ts) // 2] for what, ts in refused.items()}
+    # Each kind is sent three times (eight at once for the stop ids); its slowest try counts: the
+    # issue bounds every refusal, not a typical one.
+    times = {what: max(ts) for what, ts in refused.items()}
     slow = {what: round(t, 2) for what, t in times.items() if t >= 1.0}
     assert not slow, f"refused in a second or more: {slow} (all: {refused})"
     assert concurrent, "no normal request ran during the attacks"
-    typical = sorted(concurrent)[len(concurrent) // 2]
-    assert typical <= 3 * alone, (f"a normal request took {typical:.3f}s (median of {len(concurrent)}) under the "
+    slowest = max(concurrent)
+    assert slowest <= 3 * alone, (f"a normal request took {slowest:.3f}s (slowest of {len(concurrent)}) under the "
                                   f"attacks, {alone:.3f}s without them: {sorted(concurrent)}")
     assert gaps and not stream_errors, stream_errors
     assert max(gaps) < 1.5, f"longest gap between a stream's events: {max(gaps):.2f}s"
     growth = {phase: round((p - rss_before) / (1 << 20), 1) for phase, p in peak.items()}
     assert_healthy_and_clean(base, engines)
-    assert growth["eight at once"] < 96, f"the front end's memory grew by {growth} MiB"
-    if growth["one at a time"] >= 48:
-        # Known shortfall of issue 25's bound, not yet attributed: measured at about 50 MiB of
-        # private memory at the peak (Serve's replica pulls every request body from the proxy as
-        # it arrives, whatever the app reads; the 3 MB bodies decode to 3 MB strings).
-        pytest.xfail(f"the front end's private memory grew by {growth} MiB (bound: 48 one at a time)")
+    assert growth["one at a time"] < 48, f"the front end's private memory grew by {growth} MiB"
+    # Eight bodies in the replica at once, each received whole from Serve's proxy whatever the
+    # app reads of it: a bound of its own, scaled to the bodies held together.
+    assert growth["eight at once"] < 96, f"the front end's private memory grew by {growth} MiB"
 
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(app):
