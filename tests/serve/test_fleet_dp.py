@@ -4,6 +4,7 @@ the trained stories260K model."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -14,7 +15,7 @@ import pytest
 import ray
 
 from deploy.app import build_app
-from tests.serve.test_fleet import engines_of, wait_for_engines
+from tests.serve.helpers import engines_of, wait_for_engines
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "mood": {"enum": ["happy", "sad"]},
@@ -100,12 +101,22 @@ def test_the_group_survives_its_coordinator_restarting(dp_base):
     before = ray.get(coord.stats.remote())
     body = {"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=90) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data: {"))
-        ray.kill(coord, no_restart=False)
-        rest = [line for line in lines if line]
+
+    async def stream_through_the_restart() -> list[str]:
+        async with httpx.AsyncClient(timeout=90) as client, client.stream(
+                "POST", f"{base}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    break
+            else:
+                pytest.fail("the stream ended before its first event")
+            ray.kill(coord, no_restart=False)
+            return [line async for line in lines if line]
+
+    # httpx's timeout bounds each read; the whole stream gets 90 s.
+    rest = asyncio.run(asyncio.wait_for(stream_through_the_restart(), 90))
     assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest).replace(" ", "")
     for _ in range(3):  # the group sleeps between these: each needs a wave from the new coordinator
         time.sleep(1.5)
