@@ -9,40 +9,14 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import ROOT, free_port
+from tests.serve.helpers import Console
 
 pytestmark = pytest.mark.serve
-
-
-class Console:
-    """A process whose merged stdout/stderr is collected line by line on a thread."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def wait_for(self, text: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if text in line:
-                    return line
-            if self.proc.poll() is not None and not any(text in line for line in self.lines):
-                break
-            time.sleep(0.2)
-        raise AssertionError(f"{text!r} not on the console; it shows:\n" + "\n".join(self.lines[-40:]))
 
 
 @pytest.fixture(scope="module")

@@ -14,29 +14,11 @@ import httpx
 import pytest
 import ray
 
-from cluster.cluster import ACTOR_NAMESPACE
 from deploy.app import build_app
+from tests.serve.helpers import engines_of, wait_for_engines
 
 PREFIX = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park "
           "with her friends. One day, she saw a big red ball under a tree and ran to get it. ")
-
-
-def engines_of(base: str) -> list:
-    names = httpx.get(f"{base}/health", timeout=30).json()["engine_actors"]
-    return [ray.get_actor(n, namespace=ACTOR_NAMESPACE) for n in names]
-
-
-def wait_for_engines(base: str, n: int, timeout_s: float = 180.0) -> None:
-    """Until every front end routes to exactly n healthy engines (asked a few times: the proxy
-    spreads the health checks over the front ends)."""
-    deadline = time.monotonic() + timeout_s
-    streak = 0
-    while streak < 6:
-        assert time.monotonic() < deadline, f"the fleet did not settle at {n} engines"
-        r = httpx.get(f"{base}/health", timeout=30)
-        ok = r.status_code == 200 and len(r.json()["engines"]) == n
-        streak = streak + 1 if ok else 0
-        time.sleep(0.3)
 
 
 def metric(base: str, line_start: str) -> float:

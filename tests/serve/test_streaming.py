@@ -201,7 +201,7 @@ def test_cluster_serve_direct_ingress(model_dirs):
     """The front end serves HTTP on its own port (no proxy on the path); streams, the frontend
     header and a client disconnect (the request is aborted) work there as through the proxy."""
     from tests.conftest import free_port
-    from tests.serve.test_cli import Console
+    from tests.serve.helpers import Console
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     console = Console([sys.executable, "-m", "cluster", "serve", "--ingress", "direct", "--engines", "1",
