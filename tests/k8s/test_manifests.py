@@ -106,14 +106,17 @@ def test_rayjob_entrypoint_parses_with_batch_cli():
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_ray_token_auth_guards_the_dashboard(path):
-    """The dashboard (and its Jobs API) listens on the pod IP for KubeRay's operator, so Ray's token
-    auth must be on: otherwise any pod reaching port 8265 submits jobs that see the API-key Secret."""
+    """The head listens on all the pod's interfaces (the dashboard and its Jobs API for KubeRay's
+    operator, the GCS, Ray Client), so Ray's token auth must be on: otherwise any pod reaching port
+    8265 submits jobs that see the API-key Secret."""
     doc = load(path)
     cluster = doc["spec"]["rayClusterConfig" if doc["kind"] == "RayService" else "rayClusterSpec"]
     assert cluster.get("authOptions") == {"mode": "token", "secretName": "radixray-ray-auth"}
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
         for container in group["template"]["spec"]["containers"]:
             ports = {p["containerPort"] for p in container.get("ports", [])}
+            # Nothing here uses Ray Client: its port is not named (the head still listens there;
+            # token auth is what guards it).
             assert 10001 not in ports, f"{path.name}: Ray Client's port is published"
             # A hand-set RAY_AUTH_MODE would fight KubeRay's own (it sets it from authOptions).
             assert "RAY_AUTH_MODE" not in {e["name"] for e in container.get("env", [])}
