@@ -160,9 +160,9 @@ class DPLoop:
 
     def _run(self) -> None:
         try:
-            while not self.engine._stopping:
+            while not self.engine.stopping:
                 with self._cv:
-                    while self.waves >= self.signalled and not self.engine._stopping:
+                    while self.waves >= self.signalled and not self.engine.stopping:
                         if not self.engine.has_pending():
                             self._progress = time.monotonic()
                             self._asked_at = None
@@ -172,7 +172,7 @@ class DPLoop:
                             self.request_wave()
                         self._cv.wait(timeout=min(0.5, self.wave_retry_s))
                     self._asked_at = None
-                if self.engine._stopping:
+                if self.engine.stopping:
                     return
                 while self.engine.step():  # one wave: lock-steps until no member has work
                     self.steps += 1

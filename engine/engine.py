@@ -155,6 +155,11 @@ class Engine:
         self.step_seconds: Counter[str] = Counter()
         self.step_count: Counter[str] = Counter()
 
+    @property
+    def stopping(self) -> bool:
+        """shutdown() was called: loops driving this engine from outside (attention-DP) end."""
+        return self._stopping
+
     # ---- submission ------------------------------------------------------------------------
     def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict | None,
                sink: Callable[[StreamDelta], None], rid: str | None = None) -> str:
