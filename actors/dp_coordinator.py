@@ -129,7 +129,8 @@ class DPMember:
     lock-step loop (engine.dp.DPLoop), then check in with the coordinator every `check_period_s`.
     A member that had work and took no step for `stall_timeout_s` (no wave came, or a
     collective hangs) is stalled: it fails its health check and exits, so that it is replaced
-    and its group restarts."""
+    and its group restarts. A member whose check-ins have all failed for `stall_timeout_s` (its
+    coordinator is gone and not back) fails its health check too (ClusterConfig.dp_stall_timeout_s)."""
 
     def __init__(self, engine: Any, rank: int, size: int, coordinator: Any, die: Callable[[BaseException], None],
                  timeout_s: float = 30.0, stall_timeout_s: float = 30.0, check_period_s: float = 1.0) -> None:
@@ -139,6 +140,7 @@ class DPMember:
         self.epoch: Epoch | None = None
         self.loop = None  # engine.dp.DPLoop, once the group has formed
         self._abandoned: set[Epoch] = set()  # leave orders that may overtake our join's answer
+        self._checked_in_at = time.monotonic()  # the last check-in the coordinator answered (or the start)
         self._thread = threading.Thread(target=self._run, name="radixray-dp-member", daemon=True)
 
     def start(self) -> None:
@@ -170,11 +172,12 @@ class DPMember:
             loop = DPLoop(self.engine, comm, lambda: self.coordinator.request_wave.remote(), self.die)
             self.engine.on_work = loop.wake
             loop.start()
+            self.checked_in()  # the group formed through the coordinator: as good as a check-in
             self.loop = loop
         except BaseException as e:  # a peer vanished mid-rendezvous, an abandoned epoch: start over
             self.die(e)
             return
-        while not self.engine._stopping:
+        while not self.engine.stopping:
             time.sleep(self.check_period_s)
             stalled = self.stalled_for()
             if stalled > self.stall_timeout_s:
@@ -183,11 +186,12 @@ class DPMember:
             try:
                 stay = self._get(self.coordinator.attend.remote(self.rank, me, epoch, loop.signalled),
                                  timeout_s=max(5.0, self.check_period_s))
-            except Exception:  # the coordinator is restarting: check in again next period
+            except Exception:  # the coordinator is restarting: check in again next period (check() bounds how long)
                 continue
             if not stay:
                 self.die(RuntimeError(f"DP epoch {epoch} was abandoned by the coordinator"))
                 return
+            self.checked_in()
 
     def leave_epoch(self, epoch: Epoch) -> None:
         """The coordinator abandoned `epoch` (a member restarted): leave it if it is ours."""
@@ -202,10 +206,22 @@ class DPMember:
     def stalled_for(self) -> float:
         return self.loop.stalled_for() if self.loop is not None else 0.0
 
+    def checked_in(self) -> None:
+        """The coordinator answered a check-in (or the group formed through it)."""
+        self._checked_in_at = time.monotonic()
+
+    def unchecked_for(self) -> float:
+        """Seconds since the coordinator last answered this member."""
+        return time.monotonic() - self._checked_in_at
+
     def check(self) -> None:
-        """Raises while the group is unusable through this member: still forming, or stalled."""
+        """Raises while the group is unusable through this member: still forming, stalled, or
+        cut off from its coordinator (no check-in answered) for longer than the stall bound."""
         if self.loop is None:
             raise RuntimeError(f"DP member {self.rank} is still joining its group")
         stalled = self.stalled_for()
         if stalled > self.stall_timeout_s:
             raise RuntimeError(f"DP member {self.rank} had work but took no step for {stalled:.0f}s")
+        unchecked = self.unchecked_for()
+        if unchecked > self.stall_timeout_s:
+            raise RuntimeError(f"DP member {self.rank} has not checked in with its coordinator for {unchecked:.0f}s")

@@ -304,8 +304,8 @@ class Cluster:
         coord_cls = ray.remote(DPCoordinator)
         coords = [coord_cls.options(num_cpus=0, max_restarts=-1).remote(g, size)
                   for g in range(cfg.num_engines // size)]
-        return coords, [{"rank": i % size, "size": size, "coordinator": coords[i // size]}
-                        for i in range(cfg.num_engines)]
+        return coords, [{"rank": i % size, "size": size, "coordinator": coords[i // size],
+                         "stall_timeout_s": cfg.dp_stall_timeout_s} for i in range(cfg.num_engines)]
 
     def dp_stats(self) -> list[DPGroupStats]:
         return ray.get([c.stats.remote() for c in self.coordinators], timeout=10)

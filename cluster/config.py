@@ -41,6 +41,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Attention-DP with an MoE model: "experts" gives each member E/G whole experts (expert
     # parallelism; num_experts must divide by G), "intermediate" a slice of every expert.
     moe_split: MoeSplit = "experts"
+    # Attention-DP: a member that had work but took no step, or has not checked in with its
+    # group's coordinator, for this many seconds fails its health check (and its group restarts).
+    dp_stall_timeout_s: float = 30.0
     address: str | None = None  # Ray address; None: RAY_ADDRESS or a new local cluster
     # Request size limits (engine/limits.py), checked before any work is done for a request: by
     # every engine, the front ends and the batch job. Their flat names (max_body_bytes, ...) are
@@ -64,6 +67,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ConfigError("stream_interval_s must be in [0, 1]")
         if self.cpus_per_engine <= 0:
             raise ConfigError("cpus_per_engine must be > 0")
+        if not self.dp_stall_timeout_s > 0:
+            raise ConfigError(f"dp_stall_timeout_s must be > 0, got {self.dp_stall_timeout_s!r}")
         for key in ENGINE_OWN_FIELDS:
             if key in self.engine:
                 raise ConfigError(f"set {key!r} on the cluster, not in engine overrides")

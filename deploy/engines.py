@@ -179,7 +179,8 @@ class EngineServer:
             coordinator = ray.remote(DPCoordinator).options(
                 name=f"radixray-dp-{gang.gang_id}", namespace=ACTOR_NAMESPACE, get_if_exists=True,
                 num_cpus=0, max_restarts=-1).remote(0, gang.world_size)
-            dp = {"rank": gang.rank, "size": gang.world_size, "coordinator": coordinator}
+            dp = {"rank": gang.rank, "size": gang.world_size, "coordinator": coordinator,
+                  "stall_timeout_s": cfg.dp_stall_timeout_s}
         pg = ray.util.get_current_placement_group()
         strategy = None
         if pg is not None:  # the replica's own bundle (bundle `rank` of its gang's group)
