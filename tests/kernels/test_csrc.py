@@ -16,8 +16,12 @@ from tests.conftest import ROOT
 def test_the_build_compiles_the_files_in_csrc():
     files = {os.path.basename(p) for p in cpu_kernels.source_files()}
     assert set(cpu_kernels.SOURCES) <= files and "common.h" in files
-    # Every .cpp is compiled: a file left out of SOURCES would leave its operators undefined.
+    # Every .cpp is compiled (a file left out would leave its operators undefined), each included
+    # by its real path into the one unit the build compiles, so errors name it and its line.
     assert {f for f in files if f.endswith(".cpp")} == set(cpu_kernels.SOURCES)
+    unity = cpu_kernels.unity_text()
+    for name in cpu_kernels.SOURCES:
+        assert f'#include "{os.path.join(cpu_kernels.CSRC, name)}"' in unity
     assert not hasattr(cpu_kernels, "_SOURCE")  # no C++ kept in a Python string
 
 
