@@ -21,6 +21,19 @@ static inline float exp_le0(float x) {
   return p * __builtin_bit_cast(float, e << 23);
 }
 
+// Each of `rows` rows of `len` scores, `stride` floats apart, becomes its softmax in place.
+static inline void softmax_rows(float* scores, int64_t rows, int64_t stride, int64_t len) {
+  for (int64_t j = 0; j < rows; ++j) {
+    float* row = scores + j * stride;
+    float mx = -FLT_MAX, sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, row[t]);
+    for (int64_t t = 0; t < len; ++t) row[t] = exp_le0(row[t] - mx);
+    for (int64_t t = 0; t < len; ++t) sum += row[t];
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 // Decode attention.
 // One work item: request b, kv heads [h0, h1). Every K/V row is read once, contiguously for
@@ -46,15 +59,7 @@ static void attend(const float* qb, const T* kp, const T* vp, float* ob, const i
       }
     }
   }
-  for (int64_t j = 0; j < nh; ++j) {
-    float* row = scores.data() + j * L;
-    float mx = -FLT_MAX, sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, row[t]);
-    for (int64_t t = 0; t < L; ++t) row[t] = exp_le0(row[t] - mx);
-    for (int64_t t = 0; t < L; ++t) sum += row[t];
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < L; ++t) row[t] *= inv;
-  }
+  softmax_rows(scores.data(), nh, L, L);
   for (int64_t h = h0 * G; h < h1 * G; ++h) std::fill(ob + h * D, ob + (h + 1) * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
     const T* vrow = vp + static_cast<int64_t>(slots[t]) * Hkv * D;
@@ -116,15 +121,7 @@ static void attend_vec(const float* qb, const T* kp, const T* vp, float* ob, con
       }
     }
   }
-  for (int64_t j = 0; j < nh; ++j) {
-    float* row = scores.data() + j * Lp;
-    float mx = -FLT_MAX, sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, row[t]);
-    for (int64_t t = 0; t < L; ++t) row[t] = exp_le0(row[t] - mx);
-    for (int64_t t = 0; t < L; ++t) sum += row[t];
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < L; ++t) row[t] *= inv;
-  }
+  softmax_rows(scores.data(), nh, Lp, L);
   for (int64_t hk = h0; hk < h1; ++hk) {
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const int64_t ng = std::min<int64_t>(4, G - g0);
