@@ -49,16 +49,16 @@ from ray.data.datasource import FileBasedDatasource
 
 from cluster.cli import add_cluster_flags, cluster_config
 from cluster.config import ClusterConfig
-from cluster.openai_params import NamedToolChoice, OpenAISampling, OpenAITools, Tool
-from cluster.tool_parsers import TOOL_PARSERS, JsonArrayToolParser, ToolParser, parser_for
 from engine.errors import ConfigError, InvalidRequestError
 from engine.limits import DEFAULT_LIMITS, RequestLimits
 from engine.sampling import SamplingParams
+from openai_api.params import DEFAULT_MAX_TOKENS, NamedToolChoice, OpenAISampling, OpenAITools, Tool
+from openai_api.served_model import served_model_name
+from openai_api.tool_parsers import TOOL_PARSERS, JsonArrayToolParser, ToolParser, parser_for
 
 if TYPE_CHECKING:
     from engine.inputs import InputProcessor
 
-DEFAULT_MAX_TOKENS = 256
 INPUT_EXTENSIONS = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 SHARD_PREFIX = "part-"
 TMP_SUFFIX = ".tmp"
@@ -101,11 +101,6 @@ def _tool_parser(parser: str | None) -> ToolParser | None:
     if parser is None:
         return None
     return JsonArrayToolParser() if parser == JsonArrayToolParser.name else TOOL_PARSERS[parser]()
-
-
-def served_model_name(model_path: str | None) -> str:
-    """The name rows may give as "model" (the name the HTTP app serves the same model under)."""
-    return os.path.basename(os.path.normpath(model_path)) if model_path else "radixray-builtin"
 
 
 class ResultRow(msgspec.Struct, kw_only=True, omit_defaults=True):

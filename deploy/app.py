@@ -10,7 +10,6 @@ import concurrent.futures
 import contextlib
 import hmac
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,21 +25,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster import Cluster
-from cluster.tool_parsers import JsonArrayToolParser, parser_for
 from deploy.engines import Fleet, engine_deployment, frontend_options, gang_size
 from deploy.metrics import ServerMetrics, StatsCache
 from deploy.options import AppArgs
-from deploy.outputs import RequestOutput
-from deploy.protocol import (
+from engine import InvalidRequestError, SamplingParams, StreamDelta
+from engine.errors import invalid_request_from
+from engine.logs import log_to_stderr
+from engine.tokenizer import LONG_TEXT_CHARS
+from openai_api.outputs import RequestOutput
+from openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from engine import InvalidRequestError, SamplingParams, StreamDelta
-from engine.errors import invalid_request_from
-from engine.logs import log_to_stderr
-from engine.tokenizer import LONG_TEXT_CHARS
+from openai_api.served_model import served_model_name
+from openai_api.tool_parsers import JsonArrayToolParser, parser_for
 
 log = logging.getLogger("radixray.http")
 
@@ -229,9 +229,7 @@ class OpenAIServer:
         self.http = self.args.http
         self.fleet = fleet
         self.cluster = Cluster(self.args.cluster, fleet=fleet)
-        model_path = self.args.cluster.model_path
-        self.model_name = self.http.served_model_name or (
-            os.path.basename(os.path.normpath(model_path)) if model_path else "radixray-builtin")
+        self.model_name = served_model_name(self.args.cluster.model_path, self.http.served_model_name)
         self.metrics = ServerMetrics(serve.get_replica_context().replica_id.unique_id)
         self.engine_stats = StatsCache(self._fetch_stats, self.http.metrics_refresh_s)
         self.encoder = msgspec.json.Encoder()  # one per replica: reused by every event

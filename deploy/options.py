@@ -16,6 +16,7 @@ from engine import EngineConfig
 from engine.config import build_config
 from engine.errors import ConfigError
 from engine.limits import RequestLimits
+from openai_api.params import DEFAULT_MAX_TOKENS
 
 
 class FleetOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,8 +61,8 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     api_key: str | None = None  # or RADIXRAY_API_KEY in the replica's environment
     served_model_name: str | None = None  # the model name clients send and /v1/models lists; None: the checkpoint folder's name (radixray-builtin for the built-in model)
-    default_max_tokens: int = 256  # max_tokens of a request that sets none
-    # How tool calls are parsed out of chat outputs for tool_choice "auto" (cluster.tool_parsers:
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # max_tokens of a request that sets none
+    # How tool calls are parsed out of chat outputs for tool_choice "auto" (openai_api.tool_parsers:
     # the same names as TOOL_PARSERS); None: "auto" with tools is refused.
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     # /metrics serves the engines' and the fleet's figures as fetched at most this many seconds

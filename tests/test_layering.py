@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import ROOT
 
 # Top to bottom: a package may import only packages after it.
-LAYERS = ["deploy", "cluster", "actors", "engine", "kernels"]
+LAYERS = ["deploy", "cluster", "openai_api", "actors", "engine", "kernels"]
 ENTRY_POINTS = {"cluster.__main__", "cluster.bench", "engine.__main__", "engine.bench", "engine.gpu_bench"}
 # SGLang's own pair: a ScheduleBatch builds its ForwardBatch, which reads the batch it came from.
 ALLOWED_CIRCLES = [{"engine.forward_batch", "engine.schedule_batch"}]

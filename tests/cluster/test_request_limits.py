@@ -13,9 +13,9 @@ import pytest
 from cluster.batch import BatchLine, build_parser, parse_row
 from cluster.cli import cluster_config
 from cluster.config import ClusterConfig
-from deploy.protocol import ChatCompletionRequest, CompletionRequest
 from engine.errors import ConfigError
 from engine.limits import DEFAULT_LIMITS, LimitExceededError, RequestLimits
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def test_limits_come_flat_or_nested_and_reach_every_engine():
@@ -172,8 +172,8 @@ def _server():
 
 
 async def _events(server, failure: BaseException) -> list[bytes]:
-    from deploy.outputs import RequestOutput
     from engine.engine import StreamDelta
+    from openai_api.outputs import RequestOutput
 
     async def merged(rid, choices, watch):  # the first token, then a failure (injected)
         yield 0, StreamDelta(rid="r-0", text="hi", token_ids=[1], prompt_tokens=1, completion_tokens=1)

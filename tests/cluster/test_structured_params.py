@@ -9,8 +9,8 @@ import msgspec
 import pytest
 
 from cluster.batch import BatchLine
-from cluster.openai_params import JSON_OBJECT_SCHEMA, OpenAISampling
 from engine import InvalidRequestError
+from openai_api.params import JSON_OBJECT_SCHEMA, OpenAISampling
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["b"]}
 

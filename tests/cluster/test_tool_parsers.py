@@ -10,8 +10,11 @@ import jsonschema
 import msgspec
 import pytest
 
-from cluster.openai_params import OpenAISampling
-from cluster.tool_parsers import (
+from deploy.options import HTTPOptions
+from engine import InvalidRequestError
+from openai_api.params import OpenAISampling
+from openai_api.protocol import ChatCompletionRequest
+from openai_api.tool_parsers import (
     TOOL_PARSERS,
     HermesToolParser,
     JsonArrayToolParser,
@@ -20,9 +23,6 @@ from cluster.tool_parsers import (
     ToolParser,
     parser_for,
 )
-from deploy.options import HTTPOptions
-from deploy.protocol import ChatCompletionRequest
-from engine import InvalidRequestError
 
 HERMES = ('Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\"}{<tool_call>", '
           '"days": [1, 2]}}\n</tool_call>\n<tool_call>\n{"arguments": {"x": {"y": null}}, "name": "f"}\n</tool_call>')
@@ -207,8 +207,8 @@ def test_deeply_nested_arguments_are_text_not_a_failure(parser, text):
 
 def test_deep_arguments_in_a_batch_output_become_text_and_sent_back_ones_stay_text():
     from cluster.batch import result_row
-    from cluster.openai_params import message_tool_calls
     from engine.engine import StreamDelta
+    from openai_api.params import message_tool_calls
 
     text = '[{"name": "f", "arguments": {"a": ' + DEEP + '}}]'
     delta = StreamDelta(rid="r", text=text, token_ids=[1], finish_reason="stop", prompt_tokens=2,

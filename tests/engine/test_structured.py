@@ -11,7 +11,6 @@ import msgspec
 import pytest
 import torch
 
-from cluster.openai_params import NamedToolChoice, OpenAITools, Tool
 from engine import Engine, EngineConfig, InvalidRequestError, SamplingParams
 from engine.errors import ConfigError
 from engine.grammar import (
@@ -21,6 +20,7 @@ from engine.grammar import (
     create_grammar_backend,
     register_backend,
 )
+from openai_api.params import NamedToolChoice, OpenAITools, Tool
 from tests.helpers import prompts, run_staggered
 
 SCHEMA = {

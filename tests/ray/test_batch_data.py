@@ -84,7 +84,9 @@ def engine_config(model: str, engines: int):
 def reference(ray_local, model_dirs) -> dict[str, object]:
     """Each good row through Cluster.generate, with the job's own mapping of its fields."""
     from cluster import Cluster
-    from cluster.batch import DEFAULT_MAX_TOKENS, BatchLine, served_model_name
+    from cluster.batch import BatchLine
+    from openai_api.params import DEFAULT_MAX_TOKENS
+    from openai_api.served_model import served_model_name
 
     model = model_dirs["llama"]
     out = {}
@@ -117,7 +119,7 @@ def assert_matches(results: dict[str, dict], reference: dict[str, object]) -> No
 
 def test_jsonl_folder_matches_cluster_generate_and_bad_rows_become_errors(ray_local, model_dirs, reference,
                                                                           tmp_path):
-    from cluster.batch import served_model_name
+    from openai_api.served_model import served_model_name
 
     model = model_dirs["llama"]
     rows = good_rows(served_model_name(model)) + bad_rows()
@@ -146,7 +148,7 @@ def test_jsonl_folder_matches_cluster_generate_and_bad_rows_become_errors(ray_lo
 
 
 def test_parquet_folder_matches_cluster_generate(ray_local, model_dirs, reference, tmp_path):
-    from cluster.batch import served_model_name
+    from openai_api.served_model import served_model_name
 
     model = model_dirs["llama"]
     rows = good_rows(served_model_name(model)) + [{"id": "too-long", "prompt": "y" * 1100}]
@@ -541,7 +543,7 @@ def test_s3_input_and_output_match_local_paths_and_resume(ray_local, model_dirs,
     """The same JSONL and Parquet files, from a local folder and from S3, to a local folder and to
     S3: the same rows. Then shards deleted from S3 (as if the job had been killed before writing
     them) and a torn temporary added: a re-run writes exactly the missing rows."""
-    from cluster.batch import served_model_name
+    from openai_api.served_model import served_model_name
 
     model = model_dirs["llama"]
     bad = [{"id": "other-model", "prompt": "hi", "model": "gpt-4o"}, {"id": "too-long", "prompt": "x" * 1100}]

@@ -7,8 +7,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from cluster.tool_parsers import ToolCallStream, ToolParser
 from engine import PromptLogprob, StreamDelta
+from openai_api.tool_parsers import ToolCallStream, ToolParser
 
 # What a logprob of -inf (or NaN) becomes in JSON, as vLLM writes it.
 MIN_LOGPROB = -9999.0

@@ -12,6 +12,7 @@ import msgspec
 from engine import InvalidRequestError, SamplingParams
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object: any JSON object
+DEFAULT_MAX_TOKENS = 256  # max_tokens of a request (HTTP body or batch row) that sets none
 
 
 class JSONSchemaFormat(msgspec.Struct, kw_only=True):
@@ -123,7 +124,7 @@ class OpenAITools:
     With "required" or a named function the output is constrained to the JSON array of calls
     `[{"name": ..., "arguments": {...}}, ...]` (one call when named or parallel_tool_calls is
     false) whose arguments match each tool's parameters schema; the server turns that array into
-    tool_calls (cluster.tool_parsers.JsonArrayToolParser), whatever parser serves "auto"."""
+    tool_calls (openai_api.tool_parsers.JsonArrayToolParser), whatever parser serves "auto"."""
 
     __slots__ = ()
     tools: list[Tool] | None

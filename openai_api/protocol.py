@@ -7,14 +7,14 @@ from typing import Any
 
 import msgspec
 
-from cluster.openai_params import (
+from engine import InvalidRequestError, SamplingParams
+from openai_api.params import (
     NamedToolChoice,
     OpenAISampling,
     OpenAITools,
     Tool,
     message_tool_calls,
 )
-from engine import InvalidRequestError, SamplingParams
 
 
 class StreamOptions(msgspec.Struct):
