@@ -11,53 +11,48 @@ from __future__ import annotations
 import msgspec
 
 from actors.protocol import KVEventBatch, KVSnapshot
-
-
-def shared_len(key: tuple[int, ...], tokens: list[int], start: int, end: int) -> int:
-    """How many leading tokens of `key` equal tokens[start:end]."""
-    n, limit = 0, min(len(key), end - start)
-    while n < limit and key[n] == tokens[start + n]:
-        n += 1
-    return n
+from engine.token_trie import descend
 
 
 class _Node:
     __slots__ = ("children", "key")
 
-    def __init__(self, key: tuple[int, ...]) -> None:
+    def __init__(self, key: list[int]) -> None:
         self.children: dict[int, _Node] = {}
         self.key = key
 
 
 class CachedPaths:
     """A token-level radix tree of the paths one engine's cache holds: inserts and removals as
-    the engine reports them, and longest-prefix matches."""
+    the engine reports them, and longest-prefix matches.
+
+    A replica of the engine's RadixCache shape, not of its contents: no KV slots, locks or
+    recency, because the engine decides what goes (its "removed" events say), and nothing is
+    guessed, so there is nothing to trim (unlike the router's PrefixTree). Its nodes hold only
+    their tokens. It shares the walk (engine.token_trie.descend)."""
 
     def __init__(self) -> None:
-        self.root = _Node(())
+        self.root = _Node([])
         self.size = 0  # tokens held
 
     def _descend(self, path: list[int], depth: int) -> tuple[_Node, int]:
         """Follow path[:depth] as far as the tree holds it, splitting the node it stops inside
         of; returns the node reached and how many tokens that is."""
-        node, i = self.root, 0
-        while i < depth:
-            child = node.children.get(path[i])
-            if child is None:
-                break
-            n = shared_len(child.key, path, i, depth)
-            if n < len(child.key):
-                head = _Node(child.key[:n])
-                child.key = child.key[n:]
-                head.children[child.key[0]] = child
-                node.children[path[i]] = child = head
-            node, i = child, i + n
-        return node, i
+        nodes, i = descend(self.root, path, depth, self._split)
+        return (nodes[-1] if nodes else self.root), i
+
+    @staticmethod
+    def _split(parent: _Node, child: _Node, n: int) -> _Node:
+        head = _Node(child.key[:n])
+        parent.children[child.key[0]] = head
+        child.key = child.key[n:]
+        head.children[child.key[0]] = child
+        return head
 
     def insert(self, path: list[int]) -> None:
         node, i = self._descend(path, len(path))
         if i < len(path):
-            node.children[path[i]] = _Node(tuple(path[i:]))
+            node.children[path[i]] = _Node(path[i:])
             self.size += len(path) - i
 
     def remove(self, path: list[int], start: int) -> None:
@@ -82,23 +77,19 @@ class CachedPaths:
 
     def match(self, tokens: list[int]) -> int:
         """How many leading tokens of `tokens` the engine holds."""
-        node, i = self.root, 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                break
-            n = shared_len(child.key, tokens, i, len(tokens))
-            i += n
-            if n < len(child.key):
-                break
-            node = child
-        return i
+        return descend(self.root, tokens, len(tokens))[1]
 
 
 class InFlightPrompts:
     """Prompts of requests on one engine and not finished yet (a counted token trie): their KV
     is being computed there, so a request sharing their head should follow them before any
-    "stored" event says so."""
+    "stored" event says so.
+
+    One node per token, not a radix tree: each token counts the prompts that pass it, and the
+    count changes inside what would be one radix node (where a prompt ends or branches off), so
+    the nodes would split on adds and be left split by discards. It holds only the prompts in
+    flight: small, and emptied as they end. A discard stops where a count falls to zero and
+    drops the rest of that path at once."""
 
     def __init__(self) -> None:
         self.root: dict[int, list] = {}  # token -> [count, children]

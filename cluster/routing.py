@@ -27,7 +27,8 @@ from typing import Literal, Protocol, get_args
 
 import msgspec
 
-from cluster.kv_index import KVIndex, KVIndexStats, shared_len
+from cluster.kv_index import KVIndex, KVIndexStats
+from engine.token_trie import descend
 
 RoutingName = Literal["round_robin", "least_load", "cache_aware", "kv_events"]
 POLICIES = get_args(RoutingName)
@@ -36,7 +37,7 @@ POLICIES = get_args(RoutingName)
 class _Node:
     __slots__ = ("children", "parent", "key")
 
-    def __init__(self, key: tuple[int, ...], parent: _Node | None) -> None:
+    def __init__(self, key: list[int], parent: _Node | None) -> None:
         self.children: dict[int, _Node] = {}
         self.parent = parent
         self.key = key
@@ -48,10 +49,16 @@ class PrefixTree:
     Recency is one ordered dict of nodes, least recent first. A lookup or insert moves the nodes
     of its path to the end, deepest first, so every node stays after all of its descendants and
     the first node is always a leaf: trimming pops from the front. Each operation costs the
-    length of its path plus what it trims, whatever the size of the tree."""
+    length of its path plus what it trims, whatever the size of the tree.
+
+    Not the engine's RadixCache: a guess holds no KV slots or locks, trims itself to a capacity
+    on every insert (the engine evicts only when its pool runs short, from a heap built then),
+    and must drop what an engine's eviction event names, so its nodes keep their parent and
+    their place in the order. It shares the walk (engine.token_trie.descend); a lookup does not
+    split, an insert does."""
 
     def __init__(self, capacity: int) -> None:
-        self.root = _Node((), None)
+        self.root = _Node([], None)
         self.capacity = capacity
         self.size = 0
         self._lru: OrderedDict[_Node, None] = OrderedDict()
@@ -62,42 +69,30 @@ class PrefixTree:
             self._lru.move_to_end(node)
 
     def match(self, tokens: list[int]) -> int:
-        node, i, path = self.root, 0, []
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                break
-            n = shared_len(child.key, tokens, i, len(tokens))
-            path.append(child)
-            i += n
-            if n < len(child.key):
-                break
-            node = child
+        path, matched = descend(self.root, tokens, len(tokens))
         self._touch(path)
-        return i
+        return matched
 
     def insert(self, tokens: list[int]) -> None:
-        node, i, path = self.root, 0, []
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                leaf = _Node(tuple(tokens[i:]), node)
-                node.children[tokens[i]] = leaf
-                self.size += len(leaf.key)
-                path.append(leaf)
-                break
-            n = shared_len(child.key, tokens, i, len(tokens))
-            if n < len(child.key):  # split: the head joins the order on touch, after its tail
-                head = _Node(child.key[:n], node)
-                node.children[tokens[i]] = head
-                child.key, child.parent = child.key[n:], head
-                head.children[child.key[0]] = child
-                child = head
-            path.append(child)
-            node, i = child, i + n
+        path, i = descend(self.root, tokens, len(tokens), self._split)
+        if i < len(tokens):
+            parent = path[-1] if path else self.root
+            leaf = _Node(tokens[i:], parent)
+            parent.children[tokens[i]] = leaf
+            self.size += len(leaf.key)
+            path.append(leaf)
         self._touch(path)
         if self.size > self.capacity:
             self.trim(self.size - self.capacity)
+
+    @staticmethod
+    def _split(parent: _Node, child: _Node, n: int) -> _Node:
+        # The head joins the recency order when its path is touched, after its tail.
+        head = _Node(child.key[:n], parent)
+        parent.children[child.key[0]] = head
+        child.key, child.parent = child.key[n:], head
+        head.children[child.key[0]] = child
+        return head
 
     def _drop(self, node: _Node) -> None:
         del node.parent.children[node.key[0]]
@@ -107,25 +102,19 @@ class PrefixTree:
     def remove(self, path: list[int], start: int) -> None:
         """The engine evicted path[start:] (a leaf of its tree, so it holds nothing that starts
         with path[:start + 1]) and keeps path[:start]: drop the former, keep the latter."""
-        node, i = self.root, 0
-        while start < len(path):
-            child = node.children.get(path[i])
-            if child is None:
-                return
-            n = shared_len(child.key, path, i, start + 1)
-            if i + n <= start:  # the evicted part begins below this node
-                if n < len(child.key):  # we hold another path there
-                    return
-                node, i = child, i + n
-                continue
-            keep = start - i  # of this node's tokens, those before the evicted part
-            self._drop_below(child)
-            if keep:  # the node keeps its place in the order: it is a leaf now
-                self.size -= len(child.key) - keep
-                child.key = child.key[:keep]
-            else:
-                self._drop(child)
+        if start >= len(path):
             return
+        nodes, matched = descend(self.root, path, start + 1)
+        if matched <= start:  # not held, or we hold another path there
+            return
+        node = nodes[-1]  # it holds path[start]
+        keep = start - sum(len(n.key) for n in nodes[:-1])  # of its tokens, those before the evicted part
+        self._drop_below(node)
+        if keep:  # the node keeps its place in the order: it is a leaf now
+            self.size -= len(node.key) - keep
+            node.key = node.key[:keep]
+        else:
+            self._drop(node)
 
     def _drop_below(self, node: _Node) -> None:
         stack = list(node.children.values())

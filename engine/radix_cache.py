@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from engine.memory import TokenToKVPoolAllocator
+from engine.token_trie import descend
 
 
 class TreeNode:
@@ -31,15 +32,13 @@ class TreeNode:
         return self.last_access < other.last_access
 
 
-def _common_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class RadixCache:
+    """The engine's prefix cache (SGLang's RadixCache). Its nodes own KV slots (freed to the
+    allocator on eviction) and lock refs (a running request's prefix cannot be evicted); a match
+    splits the node it ends inside of, so a request can lock exactly its prefix. Recency is a
+    tick per operation, and eviction takes a heap of unlocked leaves only when the pool runs
+    short: the scheduler's match and insert stay the bare walk (engine.token_trie.descend)."""
+
     shares_prefixes = True
 
     def __init__(self, allocator: TokenToKVPoolAllocator) -> None:
@@ -73,47 +72,38 @@ class RadixCache:
 
         A node is split when the match ends inside it, so the returned node's path is exactly
         the match. Callers pass at most len(fill_ids) - 1 tokens so one is always computed."""
-        node, values, now = self.root, [], self._tick()
-        while key:
-            child = node.children.get(key[0])
-            if child is None:
-                break
-            child.last_access = now
-            n = _common_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)
-            values.append(child.value)
-            node, key = child, key[n:]
-        return (torch.cat(values) if values else self._empty), node
+        now = self._tick()
+        path, _ = descend(self.root, key, len(key), self._split)
+        for node in path:
+            node.last_access = now
+        if not path:
+            return self._empty, self.root
+        return torch.cat([node.value for node in path]), path[-1]
 
-    def _split(self, child: TreeNode, n: int) -> TreeNode:
-        head = TreeNode(child.key[:n], child.value[:n], child.parent)
-        head.lock_ref, head.last_access = child.lock_ref, child.last_access
+    def _split(self, parent: TreeNode, child: TreeNode, n: int) -> TreeNode:
+        # Both parts were just reached by the operation under way (the clock is its tick).
+        head = TreeNode(child.key[:n], child.value[:n], parent)
+        head.lock_ref, head.last_access = child.lock_ref, self._clock
         head.children[child.key[n]] = child
-        child.parent.children[child.key[0]] = head
-        child.parent, child.key, child.value = head, child.key[n:], child.value[n:]
+        parent.children[child.key[0]] = head
+        child.parent, child.key, child.value, child.last_access = head, child.key[n:], child.value[n:], self._clock
         return head
 
     # ---- updates -------------------------------------------------------------------------
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Insert key -> value; returns how many leading tokens the tree already had."""
-        node, now, matched, full_key = self.root, self._tick(), 0, key
-        while key:
-            child = node.children.get(key[0])
-            if child is None:
-                leaf = TreeNode(list(key), value[matched:].clone(), node)
-                leaf.last_access = now
-                node.children[key[0]] = leaf
-                self._evictable += len(key)
-                if self.on_event is not None:
-                    self.on_event("stored", list(full_key), matched)
-                break
-            child.last_access = now
-            n = _common_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)
-            matched += n
-            node, key = child, key[n:]
+        now = self._tick()
+        path, matched = descend(self.root, key, len(key), self._split)
+        for node in path:
+            node.last_access = now
+        if matched < len(key):
+            parent = path[-1] if path else self.root
+            leaf = TreeNode(key[matched:], value[matched:].clone(), parent)
+            leaf.last_access = now
+            parent.children[key[matched]] = leaf
+            self._evictable += len(leaf.key)
+            if self.on_event is not None:
+                self.on_event("stored", list(key), matched)
         return matched
 
     def inc_lock_ref(self, node: TreeNode) -> None:

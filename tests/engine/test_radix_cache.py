@@ -1,4 +1,5 @@
-"""Property tests: RadixCache against a naive reference, and the slot allocator."""
+"""Property tests: RadixCache against a naive reference, the common-prefix helper every token
+trie walks with, and the slot allocator."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 
 from engine.memory import TokenToKVPoolAllocator
 from engine.radix_cache import RadixCache
+from engine.token_trie import common_prefix_len
 
 POOL = 400
 DEV = torch.device("cpu")
@@ -87,6 +89,18 @@ def test_radix_cache_matches_reference(script):
     cache.evict(POOL)
     assert alloc.available_size() == POOL
     alloc.check_no_duplicates()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=10), st.lists(st.integers(0, 2), max_size=14), st.data())
+def test_common_prefix_len_matches_reference(key, tokens, data):
+    start = data.draw(st.integers(0, len(tokens)))
+    end = data.draw(st.integers(start, len(tokens)))
+    expect = longest_cached_prefix({tuple(key): 1}, tokens[start:end])
+    assert common_prefix_len(key, tokens, start, end) == expect
+    assert common_prefix_len(tuple(key), tokens, start, end) == expect  # no fast path: same answer
+    if start == 0 and end == len(tokens):
+        assert common_prefix_len(key, tokens) == expect
 
 
 @settings(max_examples=100, deadline=None)
