@@ -36,8 +36,9 @@ class RadixCache:
     """The engine's prefix cache (SGLang's RadixCache). Its nodes own KV slots (freed to the
     allocator on eviction) and lock refs (a running request's prefix cannot be evicted); a match
     splits the node it ends inside of, so a request can lock exactly its prefix. Recency is a
-    tick per operation, and eviction takes a heap of unlocked leaves only when the pool runs
-    short: the scheduler's match and insert stay the bare walk (engine.token_trie.descend)."""
+    tick per operation, and eviction builds a heap of unlocked leaves only when the pool runs
+    short, so the scheduler's match and insert cost the walk (engine.token_trie.descend, shared
+    with the cluster's tries) and a stamp per node, nothing more."""
 
     shares_prefixes = True
 
