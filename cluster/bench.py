@@ -46,7 +46,7 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             per group step.
   batch     the offline batch job on a 2,000-row multi-tenant shared-prefix JSONL (16 tenants' 256-byte
             prefixes, 32 output tokens), 2 engines: the Ray Data job vs the driver-loop job it replaced
-            (`cluster.batch.run_driver_loop`) vs `Cluster.generate` on the same prompts: rows/s,
+            (`cluster.bench_driver_loop.run_driver_loop`) vs `Cluster.generate` on the same prompts: rows/s,
             output tokens/s, prefix hit rate; each wall time includes starting the engines.
 `--quick` shrinks the workloads (a smoke run, not a measurement to quote)."""
 
@@ -61,7 +61,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -336,19 +336,21 @@ def _serve_base() -> str:
 class _Gate:
     """A bench client's pacing: closed loop (at most `width` requests at once) or open loop
     (each request at its arrival time, `start` + at). `slot(at)` yields when the request's
-    clock starts."""
+    clock starts, read from `clock` (the event loop's own clock in the tests, whose sleeps it
+    times)."""
 
-    def __init__(self, width: int, start: float, open_loop: bool) -> None:
-        self.semaphore, self.start, self.open_loop = asyncio.Semaphore(width), start, open_loop
+    def __init__(self, width: int, start: float, open_loop: bool,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.semaphore, self.start, self.open_loop, self.clock = asyncio.Semaphore(width), start, open_loop, clock
 
     @contextlib.asynccontextmanager
     async def slot(self, at: float) -> AsyncIterator[float]:
         if self.open_loop:
-            await asyncio.sleep(max(0.0, self.start + at - time.perf_counter()))
+            await asyncio.sleep(max(0.0, self.start + at - self.clock()))
             yield self.start + at
             return
         async with self.semaphore:
-            yield time.perf_counter()
+            yield self.clock()
 
 
 def poisson_arrivals(rate: float, n: int, seed: int = 7) -> list[float]:
@@ -489,12 +491,12 @@ def case_dp(path: str, scale: float) -> None:
     with Cluster(ClusterConfig(num_engines=1, **base)) as cl:
         dt = timed(cl, prompts[:per_engine])
         single_step = dt / sum(cl.stats().engines[0].engine.batches_by_mode.values())
-    with Cluster(ClusterConfig(num_engines=2, dp_attention=True, **base)) as cl:
+    with Cluster(ClusterConfig(num_engines=2, enable_dp_attention=True, **base)) as cl:
         dt = timed(cl, prompts)
         dp = [e.dp for e in cl.stats().engines]
         group_step = dt / dp[0].steps
         coll = sum(d.collective_seconds for d in dp) / len(dp) / dp[0].steps
-    with Cluster(ClusterConfig(num_engines=2, dp_attention=True, **{**base, "routing": "least_load"})) as cl:
+    with Cluster(ClusterConfig(num_engines=2, enable_dp_attention=True, **{**base, "routing": "least_load"})) as cl:
         for ids in prompts[:8]:  # one at a time: least_load always picks member 0
             cl.generate(input_ids=ids, sampling_params=params)
         # Only the modes that ran: the stats list every mode.
@@ -520,7 +522,7 @@ def case_moe(path: str, scale: float) -> None:
     params = SamplingParams(max_new_tokens=out, temperature=0.0, ignore_eos=True)
     base = dict(model_path=moe_path, routing="round_robin", device="cpu", cpus_per_engine=1,
                 torch_threads_per_engine=1, engine={"max_total_tokens": 16384})
-    dp = dict(num_engines=2, dp_attention=True)
+    dp = dict(num_engines=2, enable_dp_attention=True)
     setups = {"one_engine": dict(num_engines=1), "ep_group": dp,
               "ep_all_to_all": dict(dp, engine={**base["engine"], "moe_dispatch": "all_to_all"}),
               "intermediate_group": dict(dp, moe_split="intermediate"), "two_engines": dict(num_engines=2)}
@@ -538,7 +540,7 @@ def case_moe(path: str, scale: float) -> None:
             cl.check_memory()
         line = (f"{name}: {n * out / dt:,.0f} out tok/s weights={weights / 2**20:.0f} MiB/engine "
                 f"same_tokens={sum(a == b for a, b in zip(got, tokens))}/{n}")
-        if setup.get("dp_attention"):
+        if setup.get("enable_dp_attention"):
             steps = stats[0].dp.steps
             coll = sum(e.dp.collective_seconds for e in stats) / len(stats) / steps
             sent = sum(e.dp.collective_bytes for e in stats) / len(stats) / steps
@@ -563,7 +565,8 @@ def case_batch(path: str, scale: float) -> None:
     """The Ray Data batch job vs the driver-loop job vs Cluster.generate, on the same rows."""
     import tempfile
 
-    from cluster.batch import BatchOptions, run, run_driver_loop
+    from cluster.batch import BatchOptions, run
+    from cluster.bench_driver_loop import run_driver_loop
 
     rows = batch_workload(scale)
     cfg = engine_cfg(path, 2, "cache_aware", max_total_tokens=65536)

@@ -473,13 +473,8 @@ def test_shards_on_s3_are_uploaded_under_their_final_names(s3, monkeypatch):
     """No Ray: on S3 a shard is one upload under its final name (no temporary, no copy: the bucket's
     versions list every object ever written); resume reads it back; a stale temporary is removed;
     inputs resolve as on a local disk; and a writer killed mid-upload leaves no object."""
-    from cluster.batch import (
-        WriteShards,
-        _remove_stale_temporaries,
-        committed_shards,
-        load_done_ids,
-        resolve_input,
-    )
+    from cluster.batch import WriteShards, committed_shards, load_done_ids, resolve_input
+    from cluster.batch.shards import _remove_stale_temporaries
 
     for name, value in s3.env.items():
         monkeypatch.setenv(name, value)
