@@ -61,7 +61,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -336,19 +336,21 @@ def _serve_base() -> str:
 class _Gate:
     """A bench client's pacing: closed loop (at most `width` requests at once) or open loop
     (each request at its arrival time, `start` + at). `slot(at)` yields when the request's
-    clock starts."""
+    clock starts, read from `clock` (the event loop's own clock in the tests, whose sleeps it
+    times)."""
 
-    def __init__(self, width: int, start: float, open_loop: bool) -> None:
-        self.semaphore, self.start, self.open_loop = asyncio.Semaphore(width), start, open_loop
+    def __init__(self, width: int, start: float, open_loop: bool,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.semaphore, self.start, self.open_loop, self.clock = asyncio.Semaphore(width), start, open_loop, clock
 
     @contextlib.asynccontextmanager
     async def slot(self, at: float) -> AsyncIterator[float]:
         if self.open_loop:
-            await asyncio.sleep(max(0.0, self.start + at - time.perf_counter()))
+            await asyncio.sleep(max(0.0, self.start + at - self.clock()))
             yield self.start + at
             return
         async with self.semaphore:
-            yield time.perf_counter()
+            yield self.clock()
 
 
 def poisson_arrivals(rate: float, n: int, seed: int = 7) -> list[float]:

@@ -1,9 +1,12 @@
-"""The churn bench's yardsticks: the hit-rate ceilings it prints and its open-loop arrivals."""
+"""The churn bench's yardsticks: the hit-rate ceilings it prints and its pacing of requests (open
+loop: Poisson arrivals; closed loop: a fixed number in flight), timed on a virtual clock."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import selectors
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -26,23 +29,92 @@ def test_no_eviction_beats_the_optimal_one(order, slots):
     assert lru <= optimal <= max(len(order) - len(set(order)), 0) / max(len(order), 1)
 
 
-def test_open_loop_sends_each_request_at_its_arrival():
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on virtual time: when every task waits, its clock jumps to the next timer
+    instead of sleeping, so a schedule of sleeps takes no real time and every time it reads is
+    exact, however loaded the machine. Code that holds the loop moves the clock itself (`now`)."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+        super().__init__(_JumpingSelector(self))
+
+    def time(self) -> float:
+        return self.now
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    def __init__(self, loop: VirtualTimeLoop) -> None:
+        super().__init__()
+        self.loop = loop
+
+    def select(self, timeout: float | None = None) -> list:
+        events = super().select(0)
+        if not events:
+            if timeout is None:  # no timer and nothing ready: a real loop would wait forever
+                raise RuntimeError("every task waits on something that never comes")
+            self.loop.now += timeout
+        return events
+
+
+def run_virtual(body: Callable[[VirtualTimeLoop], Coroutine[Any, Any, Any]], start: float = 100.0) -> tuple[Any, float]:
+    """body(loop)'s result on a virtual-time loop, and the virtual seconds it took."""
+    loop = VirtualTimeLoop(start)
+    try:
+        return loop.run_until_complete(body(loop)), loop.time() - start
+    finally:
+        loop.close()
+
+
+SERVICE = 0.05  # virtual seconds each request holds its slot
+
+
+def test_poisson_arrivals():
     arrivals = poisson_arrivals(200.0, 20)
     assert arrivals[0] == 0 and all(b > a for a, b in zip(arrivals, arrivals[1:]))
     assert 0.02 < arrivals[-1] < 0.4  # 19 gaps of 1/200 s on average
+    assert poisson_arrivals(200.0, 20) == arrivals and poisson_arrivals(200.0, 20, seed=8) != arrivals
 
-    async def run() -> list[tuple[float, float]]:
-        gate = _Gate(1, time.perf_counter(), open_loop=True)
 
-        async def one(at: float) -> tuple[float, float]:
-            async with gate.slot(at) as t0:  # the clock starts at the arrival, not when a slot frees
-                sent = time.perf_counter() - gate.start
-                await asyncio.sleep(0.05)
+def paced(arrivals: list[float], width: int, open_loop: bool, hold_loop: dict[int, float] | None = None):
+    """Requests through one gate, each holding its slot SERVICE s (request k first holds the
+    whole loop hold_loop[k] s, as a client busy on the CPU would): per request, when its clock
+    started and when it was sent, both from the gate's start."""
+    async def body(loop: VirtualTimeLoop) -> list[tuple[float, float]]:
+        gate = _Gate(width, loop.time(), open_loop, clock=loop.time)
+
+        async def one(k: int, at: float) -> tuple[float, float]:
+            async with gate.slot(at) as t0:
+                sent = loop.time() - gate.start
+                loop.now += (hold_loop or {}).get(k, 0.0)
+                await asyncio.sleep(SERVICE)
                 return t0 - gate.start, sent
 
-        return await asyncio.gather(*(one(at) for at in arrivals))
+        return await asyncio.gather(*(one(k, at) for k, at in enumerate(arrivals)))
 
-    began = time.perf_counter()
-    clocks, sent = zip(*asyncio.run(run()))
-    assert list(clocks) == pytest.approx(arrivals) and all(s > a - 1e-3 for s, a in zip(sent, arrivals))
-    assert time.perf_counter() - began < 0.9  # they overlap: one at a time would take over 1 s
+    results, elapsed = run_virtual(body)
+    clocks, sent = zip(*results)
+    return list(clocks), list(sent), elapsed
+
+
+def test_open_loop_sends_each_request_at_its_arrival():
+    arrivals = poisson_arrivals(200.0, 20)
+    clocks, sent, elapsed = paced(arrivals, width=1, open_loop=True)
+    assert clocks == pytest.approx(arrivals, abs=1e-9)  # each clock starts at its arrival
+    assert sent == pytest.approx(arrivals, abs=1e-9)  # none early, none waiting for a slot
+    # They overlap: one at a time (width 1) would take 20 x SERVICE.
+    assert elapsed == pytest.approx(arrivals[-1] + SERVICE, abs=1e-9)
+
+
+def test_open_loop_clocks_start_at_the_arrival_when_the_client_is_late():
+    # The client holds the loop 0.2 s in the first request: the next two go out late, but their
+    # time counts from when they were due (no coordinated omission); the last one is on time.
+    arrivals = [0.0, 0.1, 0.15, 0.5]
+    clocks, sent, _ = paced(arrivals, width=1, open_loop=True, hold_loop={0: 0.2})
+    assert clocks == pytest.approx(arrivals, abs=1e-9)
+    assert sent == pytest.approx([0.0, 0.2, 0.2, 0.5], abs=1e-9)
+
+
+def test_closed_loop_clocks_start_when_a_slot_frees():
+    clocks, sent, elapsed = paced([0.0] * 5, width=2, open_loop=False)
+    assert clocks == pytest.approx([0.0, 0.0, SERVICE, SERVICE, 2 * SERVICE], abs=1e-9)
+    assert sent == clocks and elapsed == pytest.approx(3 * SERVICE, abs=1e-9)
