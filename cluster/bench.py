@@ -491,12 +491,12 @@ def case_dp(path: str, scale: float) -> None:
     with Cluster(ClusterConfig(num_engines=1, **base)) as cl:
         dt = timed(cl, prompts[:per_engine])
         single_step = dt / sum(cl.stats().engines[0].engine.batches_by_mode.values())
-    with Cluster(ClusterConfig(num_engines=2, dp_attention=True, **base)) as cl:
+    with Cluster(ClusterConfig(num_engines=2, enable_dp_attention=True, **base)) as cl:
         dt = timed(cl, prompts)
         dp = [e.dp for e in cl.stats().engines]
         group_step = dt / dp[0].steps
         coll = sum(d.collective_seconds for d in dp) / len(dp) / dp[0].steps
-    with Cluster(ClusterConfig(num_engines=2, dp_attention=True, **{**base, "routing": "least_load"})) as cl:
+    with Cluster(ClusterConfig(num_engines=2, enable_dp_attention=True, **{**base, "routing": "least_load"})) as cl:
         for ids in prompts[:8]:  # one at a time: least_load always picks member 0
             cl.generate(input_ids=ids, sampling_params=params)
         # Only the modes that ran: the stats list every mode.
@@ -522,7 +522,7 @@ def case_moe(path: str, scale: float) -> None:
     params = SamplingParams(max_new_tokens=out, temperature=0.0, ignore_eos=True)
     base = dict(model_path=moe_path, routing="round_robin", device="cpu", cpus_per_engine=1,
                 torch_threads_per_engine=1, engine={"max_total_tokens": 16384})
-    dp = dict(num_engines=2, dp_attention=True)
+    dp = dict(num_engines=2, enable_dp_attention=True)
     setups = {"one_engine": dict(num_engines=1), "ep_group": dp,
               "ep_all_to_all": dict(dp, engine={**base["engine"], "moe_dispatch": "all_to_all"}),
               "intermediate_group": dict(dp, moe_split="intermediate"), "two_engines": dict(num_engines=2)}
@@ -540,7 +540,7 @@ def case_moe(path: str, scale: float) -> None:
             cl.check_memory()
         line = (f"{name}: {n * out / dt:,.0f} out tok/s weights={weights / 2**20:.0f} MiB/engine "
                 f"same_tokens={sum(a == b for a, b in zip(got, tokens))}/{n}")
-        if setup.get("dp_attention"):
+        if setup.get("enable_dp_attention"):
             steps = stats[0].dp.steps
             coll = sum(e.dp.collective_seconds for e in stats) / len(stats) / steps
             sent = sum(e.dp.collective_bytes for e in stats) / len(stats) / steps

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
 from cluster.routing import POLICIES, ROUTING_POLICIES, RoutingName
 from engine import EngineConfig
 from engine.builtin_model import BUILTIN_MODELS
-from engine.config import MOE_SPLITS, ModelConfig, MoeSplit, build_config
+from engine.config import (
+    MOE_SPLITS,
+    ModelConfig,
+    MoeSplit,
+    RenamingMeta,
+    build_config,
+    rename_fields,
+)
 from engine.errors import ConfigError
 from engine.limits import RequestLimits
 
@@ -18,7 +26,15 @@ from engine.limits import RequestLimits
 ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads", "moe_split", "limits")
 
 
-class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=RenamingMeta):
+    """The cluster: its engines, how requests are routed to them, and the engine overrides. Fields
+    are named by EngineConfig's rule; the old names in `renamed_fields` (and EngineConfig's, under
+    `engine`) still work with a DeprecationWarning."""
+
+    renamed_fields: ClassVar[MappingProxyType] = MappingProxyType({
+        "dp_attention": "enable_dp_attention",  # SGLang's name
+    })
+
     model_path: str | None = None  # HF checkpoint folder, or a built-in model's name; None: the built-in noise model
     num_engines: int = 1  # engine actors (one per GPU, or one per cpus_per_engine CPUs)
     routing: RoutingName = "kv_events"  # the engines' own KV events: one exact view for every front end
@@ -36,7 +52,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     stream_interval_s: float = 0.05
     health_check_period_s: float = 1.0  # how often each engine is checked (and its evictions read)
     engine: dict[str, Any] = {}  # EngineConfig overrides, with EngineConfig's field names
-    dp_attention: bool = False  # attention-DP: groups of dp_group_size engines step together and share the MLP work
+    enable_dp_attention: bool = False  # attention-DP: groups of dp_group_size engines step together and share the MLP work
     dp_group_size: int | None = None  # engines per attention-DP group; None: all of them
     # Attention-DP with an MoE model: "experts" gives each member E/G whole experts (expert
     # parallelism; num_experts must divide by G), "intermediate" a slice of every expert.
@@ -77,7 +93,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ConfigError("dp_group_size must divide num_engines")
         if self.moe_split not in MOE_SPLITS:
             raise ConfigError(f"moe_split must be one of {MOE_SPLITS}, got {self.moe_split!r}")
-        if self.dp_attention and self.moe_split == "experts":
+        if self.enable_dp_attention and self.moe_split == "experts":
             self._check_expert_split()
 
     def _check_expert_split(self) -> None:
@@ -94,6 +110,14 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if experts and experts % size:
             raise ConfigError(f"moe_split='experts' needs num_experts ({experts}) divisible by the DP group "
                               f"size ({size}); use moe_split='intermediate' or another dp_group_size")
+
+    @classmethod
+    def rename_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Old names to new, the engine overrides' too (so every engine gets the new names)."""
+        kwargs = rename_fields(cls, kwargs)
+        if isinstance(kwargs.get("engine"), dict):
+            kwargs = {**kwargs, "engine": EngineConfig.rename_kwargs(kwargs["engine"])}
+        return kwargs
 
     @classmethod
     def from_kwargs(cls, strict: bool = True, **kwargs: Any) -> ClusterConfig:

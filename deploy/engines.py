@@ -173,7 +173,7 @@ class EngineServer:
         device = "cuda" if "GPU" in bundle else "cpu"
         gang = ctx.gang_context
         dp = None
-        if cfg.dp_attention:
+        if cfg.enable_dp_attention:
             # Restartable: its state is soft (the members check back in and their group goes
             # on); it lives as long as the replica that created it, whose death restarts the gang.
             coordinator = ray.remote(DPCoordinator).options(
@@ -312,7 +312,7 @@ def frontend_options(options: FleetOptions) -> dict[str, Any]:
 
 def gang_size(cluster: Any) -> int:
     """Engines per unit of placement and scaling: an attention-DP group, else one."""
-    return (cluster.dp_group_size or cluster.num_engines) if cluster.dp_attention else 1
+    return (cluster.dp_group_size or cluster.num_engines) if cluster.enable_dp_attention else 1
 
 
 def engine_deployment(cluster: Any, options: FleetOptions) -> serve.Deployment:

@@ -92,7 +92,8 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> AppArgs:
-        args = dict(args or {})
+        # Renamed fields' old names (ClusterConfig's, EngineConfig's flat or under `engine`) warn here.
+        args = EngineConfig.rename_kwargs(ClusterConfig.rename_kwargs(dict(args or {})))
         unknown = sorted(set(args) - cls.flat_fields() - {"engine"})
         if unknown:
             raise ConfigError(f"unknown app argument(s): {', '.join(unknown)}")
@@ -108,7 +109,7 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
         # Not strict: `serve run deploy.app:build_app num_engines=2` passes strings.
         cluster = ClusterConfig.from_kwargs(strict=False, **args, engine=engine)
         fleet_options = build_config(FleetOptions, "fleet", fleet, strict=False)
-        if cluster.dp_attention and fleet_options.autoscaled:
+        if cluster.enable_dp_attention and fleet_options.autoscaled:
             size = cluster.dp_group_size or cluster.num_engines
             if fleet_options.min_engines % size or fleet_options.max_engines % size:
                 raise ConfigError(f"min_engines and max_engines must be multiples of the DP group size ({size})")

@@ -250,7 +250,7 @@ def case_overlap(path: str, scale: float) -> None:
     prompts = random_prompts(32, 32, 32, BENCH_ARCH["vocab_size"], rng)
     outs = [max(16, int(256 * scale))] * 32
     for overlap in (True, False):
-        eng = Engine(model_path=path, max_total_tokens=16384, enable_overlap=overlap)
+        eng = Engine(model_path=path, max_total_tokens=16384, enable_overlap_schedule=overlap)
         rates[overlap] = sum(outs) / run_engine(eng, prompts, outs)
         overlapped = overlapped or eng.stats().overlapped_steps
         del eng
@@ -304,7 +304,7 @@ def case_spec(path: str, scale: float, stories: str | None = None) -> None:
     prompts, outs, rates = workloads[0][3][:8], [out_len] * 8, {}
     for overlap in (True, False):
         eng = Engine(model_path=path, max_total_tokens=16384, speculative_algorithm="ngram",
-                     speculative_num_draft_tokens=4, enable_overlap=overlap)
+                     speculative_num_draft_tokens=4, enable_overlap_schedule=overlap)
         run_engine(eng, prompts, [4] * len(prompts))  # warm-up
         rates[overlap] = sum(outs) / run_engine(eng, prompts, outs)
         del eng

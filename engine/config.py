@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal, get_args
+import sys
+import warnings
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal, get_args
 
 import msgspec
 
@@ -32,10 +35,68 @@ MOE_DISPATCHES = get_args(MoeDispatch)
 CPU_GRAPH_MODES = get_args(CpuGraphMode)
 
 
+# Callers inside these packages (and argparse, for a flag) are skipped when a deprecation warning
+# names its line: the line to change is the user's.
+_OWN_MODULES = ("engine", "cluster", "actors", "deploy", "openai_api", "argparse")
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """The one deprecation warning of a renamed config field, YAML key or CLI flag."""
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").split(".")[0] in _OWN_MODULES:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=level)
+
+
+def rename_fields(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with each old field name of `cls` (its `renamed_fields`: old -> new) replaced by the
+    new one, warning once per old name given."""
+    renamed = getattr(cls, "renamed_fields", {})
+    old = [k for k in kwargs if k in renamed]
+    if not old:
+        return kwargs
+    kwargs = dict(kwargs)
+    for name in old:
+        new = renamed[name]
+        if new in kwargs:
+            raise ConfigError(f"{name} and {new} are the same {cls.__name__} field: give only {new}")
+        warn_renamed(name, new)
+        kwargs[new] = kwargs.pop(name)
+    return kwargs
+
+
+class RenamingMeta(msgspec.StructMeta):
+    """A config struct whose old field names (`renamed_fields`) still work as keywords and as
+    read-only attributes, each with a DeprecationWarning."""
+
+    def __new__(mcls, name: str, bases: tuple, namespace: dict, **kwargs: Any) -> RenamingMeta:
+        cls = super().__new__(mcls, name, bases, namespace, **kwargs)
+        for old, new in namespace.get("renamed_fields", {}).items():
+            setattr(cls, old, _old_name(old, new))
+        return cls
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **cls.rename_kwargs(kwargs))
+
+    def rename_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return rename_fields(cls, kwargs)
+
+
+def _old_name(old: str, new: str) -> property:
+    def get(self: Any) -> Any:
+        warn_renamed(old, new)
+        return getattr(self, new)
+
+    return property(get, doc=f"deprecated: {new}")
+
+
 def build_config(cls: type, what: str, kwargs: dict[str, Any], strict: bool = True) -> Any:
     """A frozen config struct from keyword arguments; unknown or ill-typed fields raise a
     ConfigError that names them (and, for a choice, its choices). strict=False also takes
-    strings for numbers and booleans ("2", "true"), as `serve run ... key=value` passes them."""
+    strings for numbers and booleans ("2", "true"), as `serve run ... key=value` passes them.
+    A renamed field's old name is taken, with a DeprecationWarning."""
+    if isinstance(cls, RenamingMeta):
+        kwargs = cls.rename_kwargs(kwargs)
     unknown = sorted(set(kwargs) - set(cls.__struct_fields__))
     if unknown:
         raise ConfigError(f"unknown {what} config field(s): {', '.join(unknown)}")
@@ -58,8 +119,24 @@ def _choices_hint(cls: type, error: str) -> str:
     return ""
 
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Everything one engine is built from. Field names double as CLI flags and YAML keys."""
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=RenamingMeta):
+    """Everything one engine is built from. Field names double as CLI flags and YAML keys.
+
+    Naming rule: a setting SGLang has takes SGLang's flag name; any other on/off switch is
+    `enable_X` when it is off by default and `disable_X` when it is on by default, and a field
+    that sizes something is named for the thing it sizes (`cpu_graph_max_bs`, not a second use of
+    `cuda_graph_max_bs`). Names users rely on stay (`max_context_len`, SGLang's `context_length`);
+    the old names in `renamed_fields` still work (keyword, YAML key, CLI flag, attribute) with a
+    DeprecationWarning (docs/architecture.md, Configuration)."""
+
+    # Old name -> new name (the naming rule above).
+    renamed_fields: ClassVar[MappingProxyType] = MappingProxyType({
+        "enable_overlap": "enable_overlap_schedule",  # SGLang's name (before overlap was its default)
+        "cpu_graph_lazy": "enable_lazy_cpu_graph",  # an off-by-default switch
+        "seed": "random_seed",  # SGLang's name; `seed` is also each request's own
+        "speculative_ngram_min": "speculative_ngram_min_match_window_size",  # SGLang's names
+        "speculative_ngram_max": "speculative_ngram_max_match_window_size",
+    })
 
     model_path: str | None = None  # HF checkpoint folder, or a built-in model's name (builtin, builtin-moe); None: builtin
     device: str = "auto"  # torch device: "cpu", "cuda", "cuda:N", or "auto" (CUDA when available)
@@ -73,7 +150,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     schedule_policy: SchedulePolicy = "fcfs"  # waiting-queue order: fcfs, or lpm (longest cached prefix first)
     disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
     enable_mixed_chunk: bool = False  # run prefill chunks and the running decodes in one MIXED batch
-    enable_overlap: bool = False  # schedule the next decode batch while the current one runs (a forward thread)
+    enable_overlap_schedule: bool = False  # schedule the next decode batch while the current one runs (a forward thread)
     attention_backend: AttentionBackendName = "torch"  # attention kernels: torch (SDPA, C++ decode on the CPU), triton, flash_attn
     # CPU linears: "native" (the project's GEMM: float32 on AVX-512; bfloat16 on AVX512-BF16 for
     # 1-3 rows, beside oneDNN's weight for more), "onednn" (prepacked oneDNN), "torch" (F.linear);
@@ -81,17 +158,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     linear_backend: LinearBackend = "auto"
     disable_cuda_graph: bool = False  # decode/IDLE graphs on CUDA (with a graph-safe backend)
     # Decode graphs on the CPU: the decode forward compiled with torch.compile once per batch-size
-    # bucket (the CUDA-graph ladder), at start-up (engine/cpu_graph.py). auto: on for bfloat16
-    # weights only, where the bench measured them faster; float32 decodes as fast eagerly and
-    # would pay the compiles at every engine start. Under "auto", RADIXRAY_CPU_GRAPHS=0 or 1 in the
+    # bucket (the graph ladder up to cpu_graph_max_bs), at start-up (engine/cpu_graph.py). auto:
+    # on for bfloat16 weights only, where the bench measured them faster; float32 decodes as fast
+    # eagerly and would pay the compiles at every engine start. Under "auto", RADIXRAY_CPU_GRAPHS=0 or 1 in the
     # environment decides for the whole process.
     cpu_graph: CpuGraphMode = "auto"
-    cpu_graph_lazy: bool = False  # compile a bucket the first time it runs instead (faster start)
-    cuda_graph_max_bs: int = 64  # the largest batch of the graph ladder (CUDA and CPU graphs)
+    enable_lazy_cpu_graph: bool = False  # compile a CPU-graph bucket the first time it runs instead (faster start)
+    cuda_graph_max_bs: int = 64  # the largest batch of the CUDA-graph ladder
+    cpu_graph_max_bs: int | None = None  # the largest batch of the CPU-graph ladder; None: cuda_graph_max_bs
     init_new_token_ratio: float = 0.7  # admission reserve: the share of running requests' remaining output kept free, at start
     min_new_token_ratio: float = 0.1  # the floor the reserve ratio decays to
     new_token_ratio_decay: float = 0.001  # how much the reserve ratio decays per decode step (it jumps to 1 on retraction)
-    seed: int = 0  # seed of the engine's random state (each sampling request also has its own seed)
+    random_seed: int = 0  # seed of the engine's random state (each sampling request also has its own seed)
     torch_threads: int | None = None  # torch intra-op threads; None: torch's default (the cores Ray gives the actor)
     # The request limits this engine checks (stop lists, prompt characters): engine/limits.py.
     # The cluster sets it (ClusterConfig.limits).
@@ -108,8 +186,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     speculative_algorithm: SpeculativeAlgorithm | None = None
     speculative_draft_model_path: str | None = None  # the draft model's checkpoint folder (speculative_algorithm=draft_model)
     speculative_num_draft_tokens: int = 4  # k: drafts verified per request per step
-    speculative_ngram_min: int = 2  # the shortest suffix n-gram looked up
-    speculative_ngram_max: int = 4  # the longest (tried first)
+    speculative_ngram_min_match_window_size: int = 2  # the shortest suffix n-gram looked up
+    speculative_ngram_max_match_window_size: int = 4  # the longest (tried first)
     # Structured outputs (engine/grammar): the backend that compiles JSON schemas, regexes and
     # EBNF grammars: "llguidance", or "xgrammar" when that package is installed.
     grammar_backend: str = "llguidance"
@@ -137,7 +215,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
-                     "max_prefill_tokens", "max_context_len", "torch_threads"):
+                     "max_prefill_tokens", "max_context_len", "torch_threads", "cpu_graph_max_bs"):
             v = getattr(self, name)
             need(v is None or v >= 1, f"{name} must be >= 1, got {v}")
         need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static must be in (0, 1)")
@@ -148,8 +226,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need((self.speculative_algorithm == "draft_model") == bool(self.speculative_draft_model_path),
              "speculative_draft_model_path goes with speculative_algorithm='draft_model' (and it needs one)")
         need(1 <= self.speculative_num_draft_tokens <= 64, "speculative_num_draft_tokens must be in [1, 64]")
-        need(1 <= self.speculative_ngram_min <= self.speculative_ngram_max,
-             "need 1 <= speculative_ngram_min <= speculative_ngram_max")
+        need(1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size,
+             "need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
         grammar_backend_class(self.grammar_backend, self.constrained_json_whitespace_pattern)  # ConfigError
 
     @classmethod
@@ -157,7 +235,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return build_config(cls, "engine", kwargs)
 
     def replace(self, **changes: Any) -> EngineConfig:
-        return EngineConfig.from_kwargs(**{**msgspec.structs.asdict(self), **changes})
+        return EngineConfig.from_kwargs(**{**msgspec.structs.asdict(self), **EngineConfig.rename_kwargs(changes)})
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):

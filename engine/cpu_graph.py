@@ -1,14 +1,15 @@
 """Decode graphs on the CPU: the twin of CUDA graphs (engine/cuda_graph.py), built with torch.compile.
 
-A DECODE (or IDLE) batch is padded to the next size of the CUDA-graph ladder, as for CUDA graphs
-(padded rows: request row 0, seq_len 1, KV slot 0: inert), copied into static input buffers and
-run by that size's compiled forward: the model's decode forward (`forward_decode`, through the
-attention backend's fused RoPE + KV store + attention) compiled by torch.compile with inductor's
-C++ backend: every size at start-up, as CUDA graphs are captured (a compile in the middle of
-serving would stall every running stream for its duration), or, with cpu_graph_lazy, the first
-time the size runs. The CPU kernels stay inside as opaque operators
-(`torch.ops.radixray.*`: the GEMM, the fused attention, the fused norms); inductor fuses what lies
-between them (embedding, SiLU-and-multiply, q/k norms) and the step runs without per-op Python.
+A DECODE (or IDLE) batch is padded to the next size of the CUDA graphs' ladder, up to
+cpu_graph_max_bs (padded rows: request row 0, seq_len 1, KV slot 0: inert), copied into static
+input buffers and run by that size's compiled forward: the model's decode forward
+(`forward_decode`, through the attention backend's fused RoPE + KV store + attention) compiled
+by torch.compile with inductor's C++ backend: every size at start-up, as CUDA graphs are
+captured (a compile in the middle of serving would stall every running stream for its duration),
+or, with enable_lazy_cpu_graph, the first time the size runs. The CPU kernels stay inside as
+opaque operators (`torch.ops.radixray.*`: the GEMM, the fused attention, the fused norms);
+inductor fuses what lies between them (embedding, SiLU-and-multiply, q/k norms) and the step runs
+without per-op Python.
 
 Each size is its own compiled region with no guards (`isolate_recompiles`,
 `torch.compiler.skip_all_guards_unsafe`): a region only ever sees the same static buffers,

@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from engine.config import warn_renamed
+
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
@@ -56,11 +58,26 @@ def _scalar(t: msgspec.inspect.Type) -> msgspec.inspect.Type | None:
     return t if isinstance(t, kinds) else None
 
 
+class _OldFlag(argparse.Action):
+    """A renamed field's old flag: parsed like the new one, into the same field, with a warning."""
+
+    def __init__(self, option_strings: list[str], dest: str, new_flag: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new_flag = new_flag
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        warn_renamed(option_string or self.option_strings[0], self.new_flag)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
 def add_struct_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple[str, ...] = (),
                      renames: dict[str, str] | None = None, help: dict[str, str] | None = None) -> list[str]:
     """Add --field-name for each field of `cls` a flag can carry; defaults are None (unset), so
-    only the flags given override the struct's own defaults. Returns the fields added."""
+    only the flags given override the struct's own defaults. A renamed field (`cls.renamed_fields`)
+    also takes its old flag, with a DeprecationWarning. Returns the fields added."""
     renames, HELP = renames or {}, help or {}
+    old_names = {new: old for old, new in getattr(cls, "renamed_fields", {}).items() if old not in skip}
     added = []
     for f in msgspec.inspect.type_info(cls).fields:
         t = _scalar(f.type)
@@ -73,15 +90,22 @@ def add_struct_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tup
         doc = HELP.get(f.name) or field_docs(cls).get(f.name, "")
         help_text = f"{doc} (default: {default})" if doc else f"default: {default}"
         if isinstance(t, msgspec.inspect.BoolType):
-            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
+            parse: dict[str, Any] = {"nargs": 0, "const": True}
         elif isinstance(t, msgspec.inspect.LiteralType):
-            parser.add_argument(flag, dest=f.name, choices=list(t.values), default=None, help=help_text)
+            parse = {"choices": list(t.values)}
         elif isinstance(t, msgspec.inspect.DictType):  # a JSON object, e.g. '{"load_weight": 0.2}'
-            parser.add_argument(flag, dest=f.name, type=msgspec.json.decode, default=None,
-                                help=HELP.get(f.name) or field_docs(cls).get(f.name, "a JSON object"))
+            parse = {"type": msgspec.json.decode}
+            help_text = HELP.get(f.name) or field_docs(cls).get(f.name, "a JSON object")
         else:
-            kind = {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(t), str)
-            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text)
+            parse = {"type": {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(t), str)}
+        if "nargs" in parse:
+            parser.add_argument(flag, dest=f.name, action="store_true", default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, help=help_text, **parse)
+        if f.name in old_names:
+            old_flag = "--" + old_names[f.name].replace("_", "-")
+            parser.add_argument(old_flag, dest=f.name, action=_OldFlag, new_flag=flag, default=None,
+                                help=f"deprecated: {flag}", **parse)
         added.append(f.name)
     return added
 

@@ -124,8 +124,9 @@ class ModelRunner:
               and self.model.cpu_graph_safe):  # (attention-DP's MLP collectives stay eager, as on CUDA)
             from engine.cpu_graph import CpuGraphRunner
 
-            self.graph_runner = CpuGraphRunner(self, min(config.cuda_graph_max_bs, max_running))
-            if not config.cpu_graph_lazy:
+            max_bs = config.cpu_graph_max_bs or config.cuda_graph_max_bs
+            self.graph_runner = CpuGraphRunner(self, min(max_bs, max_running))
+            if not config.enable_lazy_cpu_graph:
                 seconds = self.graph_runner.compile_all()
                 if self.model.expert_tokens is not None:  # warm-up forwards are no traffic
                     self.model.expert_tokens.zero_()

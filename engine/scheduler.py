@@ -47,7 +47,8 @@ def make_drafter(config: EngineConfig, model_runner: ModelRunner, batches_by_mod
     its DRAFT_EXTEND_V2 batches in `batches_by_mode`."""
     k = config.speculative_num_draft_tokens
     if config.speculative_algorithm == "ngram":
-        return NgramDrafter(k, config.speculative_ngram_min, config.speculative_ngram_max)
+        return NgramDrafter(k, config.speculative_ngram_min_match_window_size,
+                             config.speculative_ngram_max_match_window_size)
     if config.speculative_algorithm == "draft_model":
         # Its KV holds running requests only (no cache): as many tokens as the target's pool (which
         # left room for it: ModelRunner._default_pool_size), and the drafts.

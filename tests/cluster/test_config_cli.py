@@ -25,9 +25,9 @@ def test_every_config_field_has_a_flag():
 def test_flags_build_the_config_and_unset_flags_keep_defaults():
     ap = build_parser()
     args = ap.parse_args(["--input", "i", "--output", "o", "--model", "/m", "--engines", "3", "--routing",
-                          "least_load", "--dp-attention", "--max-total-tokens", "900", "--schedule-policy", "lpm"])
+                          "least_load", "--enable-dp-attention", "--max-total-tokens", "900", "--schedule-policy", "lpm"])
     cfg = cluster_config(args, *args.config_fields)
-    assert (cfg.model_path, cfg.num_engines, cfg.routing, cfg.dp_attention) == ("/m", 3, "least_load", True)
+    assert (cfg.model_path, cfg.num_engines, cfg.routing, cfg.enable_dp_attention) == ("/m", 3, "least_load", True)
     assert cfg.engine == {"max_total_tokens": 900, "schedule_policy": "lpm"}
     assert cfg.cpus_per_engine == ClusterConfig().cpus_per_engine
 
@@ -64,4 +64,4 @@ def test_every_config_field_has_a_help_line():
     ap = argparse.ArgumentParser()
     add_struct_flags(ap, EngineConfig)
     help_text = " ".join(ap.format_help().split())
-    assert "--enable-overlap schedule the next decode batch while the current one runs" in help_text
+    assert "--enable-overlap-schedule schedule the next decode batch while the current one runs" in help_text

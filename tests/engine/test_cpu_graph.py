@@ -29,7 +29,7 @@ def graphs_on(monkeypatch):
 
 
 def graph_engine(path: str, **kw) -> Engine:
-    eng = Engine(model_path=path, cuda_graph_max_bs=LADDER_MAX, **kw)
+    eng = Engine(model_path=path, cpu_graph_max_bs=LADDER_MAX, **kw)
     assert isinstance(eng.model_runner.graph_runner, CpuGraphRunner)
     return eng
 
@@ -44,7 +44,7 @@ MODES = {  # (engine kwargs, requests, how they arrive)
     "chunked": ({"chunked_prefill_size": 7}, 6, "together"),
     "mixed": ({"enable_mixed_chunk": True, "chunked_prefill_size": 8}, 6, "staggered"),
     "retraction": ({"max_total_tokens": 200}, 12, "together"),
-    "overlap": ({"enable_overlap": True, "chunked_prefill_size": 8}, 6, "staggered"),
+    "overlap": ({"enable_overlap_schedule": True, "chunked_prefill_size": 8}, 6, "staggered"),
 }
 
 
@@ -157,12 +157,12 @@ def test_idle_batch_replays_as_one_inert_padded_row(model_dirs):
 
 def test_every_size_compiles_at_start_up_unless_lazy(model_dirs):
     """Start-up compiles the whole ladder (no compile stalls a running stream later); warm-up
-    runs are not replays. cpu_graph_lazy compiles a size the first time a batch needs it."""
+    runs are not replays. enable_lazy_cpu_graph compiles a size the first time a batch needs it."""
     path = model_dirs["llama"]
     eager_start = graph_engine(path)
     runner = eager_start.model_runner.graph_runner
     assert sorted(runner.compiled) == runner.ladder == [1, 2, 4, 8] and runner.replays == 0
-    lazy = graph_engine(path, cpu_graph_lazy=True)
+    lazy = graph_engine(path, enable_lazy_cpu_graph=True)
     assert not lazy.model_runner.graph_runner.compiled
     lazy.generate(input_ids=prompts(lazy, 1, seed=36), sampling_params=GREEDY)
     assert sorted(lazy.model_runner.graph_runner.compiled) == [1]
@@ -196,7 +196,7 @@ def test_graphs_off_where_they_cannot_run(model_dirs, monkeypatch):
     # "auto" (the default): graphs for bfloat16 weights only.
     monkeypatch.delenv("RADIXRAY_CPU_GRAPHS")
     assert Engine(model_path=path).model_runner.graph_runner is None
-    lazy = dict(cpu_graph_lazy=True, cuda_graph_max_bs=LADDER_MAX)
+    lazy = dict(enable_lazy_cpu_graph=True, cpu_graph_max_bs=LADDER_MAX)
     assert isinstance(Engine(model_path=path, dtype="bfloat16", **lazy).model_runner.graph_runner, CpuGraphRunner)
     assert isinstance(Engine(model_path=path, cpu_graph="on", **lazy).model_runner.graph_runner, CpuGraphRunner)
 

@@ -84,7 +84,7 @@ def test_serve_configs_agree():
         app = cfg["applications"][0]
         assert app["import_path"] == local["import_path"], name
         fleet_size = {"num_engines", "min_engines", "max_engines"}
-        assert set(app["args"]) - {"dp_attention", "dp_group_size", "served_model_name"} - fleet_size <= set(
+        assert set(app["args"]) - {"enable_dp_attention", "dp_group_size", "served_model_name"} - fleet_size <= set(
             local["args"]) | {"model_path"}, name
     from deploy.options import AppArgs
 
