@@ -690,7 +690,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     # Each replica sees the fleet as one engine group (a DP gang, or a lone engine).
     gang = gang_size(parsed.cluster)
     args = {**{k: v for k, v in (args or {}).items() if k not in FLEET_SIZE_FIELDS}, "num_engines": gang}
-    if parsed.cluster.dp_attention:
+    if parsed.cluster.enable_dp_attention:
         args["dp_group_size"] = gang
     fleet = Fleet.bind()
     engines = engine_deployment(parsed.cluster, parsed.fleet).bind(args, fleet)

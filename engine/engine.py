@@ -132,7 +132,7 @@ class Engine:
                                      json_whitespace_pattern=self.config.constrained_json_whitespace_pattern,
                                      limits=self.config.limits)
         self.tokenize = self.inputs.tokenize
-        self._rng = random.Random(self.config.seed)
+        self._rng = random.Random(self.config.random_seed)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._trackers: dict[str, _Tracker] = {}
@@ -144,7 +144,7 @@ class Engine:
         self._emit_lock = threading.Lock()
         # How a step runs its batch (attention-DP installs its lock-step strategy instead).
         self.strategy: StepStrategy = StepStrategy()
-        if self.config.enable_overlap:  # one forward thread (on CUDA it would own the forward stream)
+        if self.config.enable_overlap_schedule:  # one forward thread (on CUDA it would own the forward stream)
             self.strategy = OverlapStep(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="radixray-forward"))
         self.num_received = 0  # requests that reached the loop (aborted early or not)
         self._loop_thread: threading.Thread | None = None
