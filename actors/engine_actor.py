@@ -39,13 +39,12 @@ MAX_PENDING_KV_EVENTS = 65536
 
 
 def _invalid(rid: str, prompt_tokens: int, error: InvalidRequestError) -> StreamDelta:
-    return StreamDelta(rid=rid, text="", token_ids=[], finish_reason="abort", prompt_tokens=prompt_tokens,
-                       error=f"invalid request: {error}", error_kind="invalid_request")
+    return StreamDelta.aborted(rid, error=f"invalid request: {error}", kind="invalid_request",
+                               prompt_tokens=prompt_tokens)
 
 
 def _refused(rid: str, prompt_tokens: int) -> StreamDelta:
-    return StreamDelta(rid=rid, text="", token_ids=[], finish_reason="abort", prompt_tokens=prompt_tokens,
-                       error="engine is draining", error_kind="draining")
+    return StreamDelta.aborted(rid, error="engine is draining", kind="draining", prompt_tokens=prompt_tokens)
 
 
 class _Channel:
@@ -326,7 +325,7 @@ class EngineActor:
         start = time.monotonic()
         rerouted = False
         # Until every request has ended and its last deltas have left for its front end.
-        while (self.engine.scheduler.has_work() or not self.engine._inbox.empty() or self._consumer_of
+        while (self.engine.has_pending() or self._consumer_of
                or any(box.items for box in self._outboxes.values())):
             elapsed = time.monotonic() - start
             if elapsed > timeout_s:
@@ -378,7 +377,7 @@ class EngineActor:
         """Wait until the engine is idle, then check its memory invariant (raises if broken).
         Async: a blocking wait would hold the actor's event loop and starve abort() calls."""
         deadline = time.monotonic() + timeout_s
-        while self.engine.scheduler.has_work() or not self.engine._inbox.empty():
+        while self.engine.has_pending():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {self.engine_id} still busy after {timeout_s}s")
             await asyncio.sleep(0.02)

@@ -293,9 +293,8 @@ class OpenAIServer:
 
         def failed(i: int, e: Exception) -> StreamDelta:  # a bug: an explicit error, never a choice with no end
             log.exception("request %s failed", rids[i])
-            return StreamDelta(rid=rids[i], text="", token_ids=[], finish_reason="abort",
-                               prompt_tokens=len(choices[i][0]), error=internal_error_message(rids[i]),
-                               error_kind="engine_error")
+            return StreamDelta.aborted(rids[i], error=internal_error_message(rids[i]), kind="engine_error",
+                                       prompt_tokens=len(choices[i][0]))
 
         try:
             if len(choices) == 1:  # straight from stream_ids: no task or queue per delta

@@ -58,6 +58,12 @@ class StreamDelta(msgspec.Struct):
     # With prompt_logprobs, on the first delta: None for the first prompt token, then one per token.
     prompt_logprobs: list[PromptLogprob | None] | None = None
 
+    @classmethod
+    def aborted(cls, rid: str, *, error: str, kind: ErrorKind, prompt_tokens: int = 0) -> StreamDelta:
+        """The last delta of a request that ends with an error: no tokens, finish_reason "abort"."""
+        return cls(rid=rid, text="", token_ids=[], finish_reason="abort", prompt_tokens=prompt_tokens,
+                   error=error, error_kind=kind)
+
 
 class GenerateOutput(msgspec.Struct):
     rid: str
@@ -324,8 +330,7 @@ class Engine:
             log.exception("could not report the failure of request %s", rid)
 
     def _error_delta(self, req: Req, message: str, kind: ErrorKind) -> StreamDelta:
-        return StreamDelta(rid=req.rid, text="", token_ids=[], finish_reason="abort",
-                           prompt_tokens=len(req.origin_input_ids), error=message, error_kind=kind)
+        return StreamDelta.aborted(req.rid, error=message, kind=kind, prompt_tokens=len(req.origin_input_ids))
 
     def start_loop(self) -> None:
         """Run steps on a background thread; it sleeps (no spinning) when there is no work."""

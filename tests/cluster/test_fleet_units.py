@@ -1,14 +1,19 @@
-"""Units of the fleet: stream coalescing's merge, the autoscaling policy, the fleet options, the
+"""Units of the fleet: the output channels (stream coalescing's merge, delivery to the engine a
+request is on, the consumer's incarnation check), the autoscaling policy, the fleet options, the
 engines' eviction log that every front end reads."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
 
 from actors.engine_actor import EvictionLog
-from cluster.cluster import _merge_all
+from actors.protocol import encode_batch
+from cluster.channels import ENGINE_DIED, Channels, Inbox, consume_outputs, merge_deltas
+from cluster.membership import EngineSlot
 from deploy.engines import EngineAutoscaler
 from deploy.options import FleetOptions
 from engine import StreamDelta
@@ -20,10 +25,109 @@ def test_merged_deltas_carry_both_in_order():
     lp = [TokenLogprob(token_id=1, logprob=-0.5, top_logprobs=[])]
     a = StreamDelta(rid="r", text="ab", token_ids=[1, 2], completion_tokens=2, logprobs=lp * 2)
     b = StreamDelta(rid="r", text="c", token_ids=[3], completion_tokens=3, finish_reason="length", logprobs=lp)
-    m = _merge_all([a, b])
+    m = merge_deltas([a, b])
     assert (m.text, m.token_ids, m.completion_tokens, m.finish_reason) == ("abc", [1, 2, 3], 3, "length")
     assert len(m.logprobs) == 3
 
+
+
+def test_a_late_message_about_an_earlier_engine_is_dropped():
+    """A request re-routed from engine 0 to engine 1 reads only engine 1's deliveries: a
+    dead-engine signal for its first attempt, noticed late, cannot fail the healthy engine."""
+    async def scenario() -> tuple[list, list]:
+        channels = Channels(threading.Lock())
+        first, second = Inbox(), Inbox()
+        loop = asyncio.get_running_loop()
+        with channels.lock:
+            channels.subscribe_locked("r", 0, loop, first)
+        channels.unsubscribe("r")
+        with channels.lock:
+            channels.subscribe_locked("r", 1, loop, second)  # the re-routed attempt
+        assert channels.engine_of("r") == 1 and channels.subs["r"] == (1, loop, second)
+        channels.deliver("r", ENGINE_DIED, 0)  # engine 0's stream broke, noticed only now
+        channels.deliver("r", "token from engine 1", 1)
+        return await asyncio.wait_for(second.take(), timeout=5), first.items
+
+    assert asyncio.run(scenario()) == (["token from engine 1"], [])
+    channels = Channels(threading.Lock())
+    channels.unsubscribe("never-subscribed")  # a request that ended before it was routed
+    assert (channels.subs, channels.where, channels.incarnation) == ({}, {}, {})
+
+
+class _Method:
+    """An actor method as a Ray handle exposes it: `.remote(...)`."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class _ScriptedEngine:
+    """Stands in for an engine actor's handle in consume_outputs: its output stream yields
+    `batches` (each one engine step's deltas) and then breaks; incarnation_id answers `live`, or
+    fails as a dead actor's call does when `live` is None. Reopened after the break, the stream
+    closes the cluster, which ends the consumer."""
+
+    def __init__(self, batches: list[list[StreamDelta]], live: str | None, closed: threading.Event) -> None:
+        self.opened = 0
+
+        async def outputs(consumer: str):
+            assert consumer == "frontend-1"
+            self.opened += 1
+            if self.opened > 1:
+                closed.set()
+                raise ConnectionError("cluster closed")
+            for batch in batches:
+                yield asyncio.sleep(0, result=encode_batch(batch))  # an object ref: awaited, gives bytes
+            raise ConnectionError("the engine died")
+
+        async def incarnation_id() -> str:
+            if live is None:
+                raise ConnectionError("the engine is restarting")
+            return live
+
+        self.outputs = _Method(outputs)
+        self.incarnation_id = _Method(incarnation_id)
+
+
+def _tokens(rid: str, *ids: int) -> StreamDelta:
+    return StreamDelta(rid=rid, text="", token_ids=list(ids))
+
+
+async def _consume_after_a_break(live: str | None) -> dict[str, list]:
+    """Engine 0's stream delivers a step, then breaks. On engine 0: "old" (taken by instance A,
+    the one that died), "new" (taken by instance B, Ray's restart), "pending" (its submit has not
+    answered yet); "elsewhere" is on engine 1. Returns what each request's inbox got."""
+    loop = asyncio.get_running_loop()
+    channels = Channels(threading.Lock())
+    inboxes = {rid: Inbox() for rid in ("old", "new", "pending", "elsewhere")}
+    with channels.lock:
+        for rid, inbox in inboxes.items():
+            channels.subscribe_locked(rid, 1 if rid == "elsewhere" else 0, loop, inbox)
+    channels.taken("old", "A")
+    channels.taken("new", "B")
+    channels.taken("elsewhere", "A")
+    closed = threading.Event()
+    step = [_tokens("old", 5), _tokens("new", 7), _tokens("elsewhere", 9)]  # the last one: not engine 0's
+    engine = _ScriptedEngine([step], live, closed)
+    await asyncio.wait_for(consume_outputs(EngineSlot(engine, None, "engine-0"), 0, "frontend-1", channels, closed),
+                           timeout=30)
+    await asyncio.sleep(0)  # deliveries are callbacks on this loop
+    assert engine.opened == 2  # the stream was reopened after the break
+    return {rid: inbox.items for rid, inbox in inboxes.items()}
+
+
+def test_a_break_noticed_after_the_restart_fails_only_the_dead_instances_requests():
+    """The engine was restarted before its consumer saw the break: the requests the new instance
+    took (or is taking) go on; only the dead instance's requests get the engine-died signal."""
+    got = asyncio.run(_consume_after_a_break(live="B"))
+    assert got == {"old": [_tokens("old", 5), ENGINE_DIED], "new": [_tokens("new", 7)], "pending": [],
+                   "elsewhere": []}
+
+
+def test_a_break_with_no_live_instance_fails_every_request_on_the_engine():
+    got = asyncio.run(_consume_after_a_break(live=None))
+    assert got == {"old": [_tokens("old", 5), ENGINE_DIED], "new": [_tokens("new", 7), ENGINE_DIED],
+                   "pending": [ENGINE_DIED], "elsewhere": []}
 
 def ctx(n: int, waiting: list[float], running: list[float], kv: list[float], lo: int = 1, hi: int = 8):
     metrics = {"waiting": dict(enumerate(waiting)), "running": dict(enumerate(running)), "kv_use": dict(enumerate(kv))}

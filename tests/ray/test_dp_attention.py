@@ -15,7 +15,8 @@ import ray
 from actors.dp_coordinator import DPCoordinator
 from actors.engine_actor import EngineActor
 from cluster import Cluster, ClusterConfig
-from engine import Engine, SamplingParams
+from engine import Engine, GenerateOutput, SamplingParams
+from engine.engine import collect_output
 from tests.helpers import finals_after
 
 pytestmark = pytest.mark.ray
@@ -144,8 +145,16 @@ def test_other_group_keeps_serving(ray_local, model_dirs):
 
 def _timed(cl: Cluster, prompts: list[str], params: SamplingParams, within_s: float) -> list:
     """Generate, failing the test if any request is still open after within_s (a stalled group
-    holds requests until request_timeout_s, 600 s by default)."""
-    return cl.run(asyncio.wait_for(cl.generate_async(prompt=prompts, sampling_params=params), timeout=within_s))
+    holds requests until request_timeout_s, 600 s by default). At the bound every stream is
+    cancelled, which aborts its request."""
+    async def one(prompt: str) -> GenerateOutput:
+        deltas = [d async for d in cl.stream(prompt=prompt, sampling_params=params)]
+        return collect_output(deltas[-1].rid, deltas)
+
+    async def every() -> list[GenerateOutput]:
+        return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), timeout=within_s)
+
+    return cl.run(every())
 
 
 def _wait_idle(cl: Cluster) -> None:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from cluster import Cluster, ClusterConfig
+from cluster.channels import Channels
 from deploy.app import build_app
 from engine import SamplingParams, StreamDelta
 
@@ -40,8 +41,8 @@ def _fake_cluster(interval_s: float) -> Cluster:
 
     cl = Cluster.__new__(Cluster)
     cl.config = ClusterConfig(stream_interval_s=interval_s)
-    cl._subs, cl._where, cl._incarnation = {}, {}, {}
     cl._lock = threading.Lock()
+    cl.channels = Channels(cl._lock)
     cl.router = _FakeRouter()
     cl.consumer = "test"
     cl.engines = [types.SimpleNamespace(actor=types.SimpleNamespace(submit=types.SimpleNamespace(remote=submit)))]
@@ -64,9 +65,9 @@ async def _stream(cl: Cluster, feed) -> list[tuple[float, StreamDelta]]:
             got.append((loop.time() - t0, d))
 
     reader = asyncio.create_task(read())
-    while "r" not in cl._subs:
+    while cl.channels.engine_of("r") is None:
         await asyncio.sleep(0.001)
-    await feed(lambda d: cl._deliver_batch([d], 0))
+    await feed(lambda d: cl.channels.deliver_batch([d], 0))
     await asyncio.wait_for(reader, timeout=30)
     return got
 
