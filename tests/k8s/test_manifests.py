@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import shlex
 from pathlib import Path
 
@@ -17,8 +18,13 @@ KIND_TO_CRD = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjob
                "RayCluster": "ray.io_rayclusters.yaml"}
 
 
+# The CRDs are megabytes of YAML: parse each once, with libyaml's loader where PyYAML has it.
+SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+@functools.cache
 def crd_schema(kind: str) -> dict:
-    crd = yaml.safe_load((data_path("k8s/kuberay-crds") / KIND_TO_CRD[kind]).read_text())
+    crd = yaml.load((data_path("k8s/kuberay-crds") / KIND_TO_CRD[kind]).read_text(), Loader=SAFE_LOADER)
     return next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
 
 
