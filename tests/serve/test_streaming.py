@@ -1,15 +1,11 @@
 """Streaming cost: a stream's tokens coalesced per stream interval (the first token and the end
-never held), over HTTP and in Cluster.stream_ids itself; the streaming counters on /metrics; and
-`cluster serve --ingress direct` (each front end's own HTTP port)."""
+never held), over HTTP and in Cluster.stream_ids itself; the streaming counters on /metrics. (`cluster serve
+--ingress direct` is tested with the CLI, in test_cli.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import signal
-import sys
 import threading
 import time
 import types
@@ -196,44 +192,3 @@ def test_metrics_count_events_tokens_and_cpu(coalescing):
                           "radixray_frontend_cpu_seconds_total"}
     assert {k: middle[k] for k in middle if "cpu" not in k} == {k: after[k] for k in after if "cpu" not in k}
 
-
-# ---- `cluster serve --ingress direct` ---------------------------------------------------------
-def test_cluster_serve_direct_ingress(model_dirs):
-    """The front end serves HTTP on its own port (no proxy on the path); streams, the frontend
-    header and a client disconnect (the request is aborted) work there as through the proxy."""
-    from tests.conftest import free_port
-    from tests.serve.helpers import Console
-
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    console = Console([sys.executable, "-m", "cluster", "serve", "--ingress", "direct", "--engines", "1",
-                       "--model", model_dirs["stories"], "--port", str(free_port())], env)
-    try:
-        line = console.wait_for("radixray is serving on", timeout_s=300)
-        url = line.split("serving on ")[1].split()[0]
-        assert int(url.rsplit(":", 1)[1]) >= 30000, line  # a front end's own port, not the proxy's
-        body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
-        with httpx.Client(timeout=120) as c, c.stream("POST", f"{url}/v1/completions",
-                                                      json={**body, "stream": True}) as r:
-            assert r.status_code == 200 and r.headers["x-radixray-frontend"]
-            text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in r.read().split(b"\n\n")
-                           if e.startswith(b"data: {"))
-        assert text == httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
-        with httpx.Client(timeout=60) as c, c.stream("POST", f"{url}/v1/completions", json={
-                "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
-            lines = r.iter_lines()
-            next(lines)
-        # leaving the block closed the connection mid-stream: the request is counted as aborted
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            metrics = httpx.get(f"{url}/metrics", timeout=30).text
-            if re.search(r'^radixray_requests_total\{status="aborted",replica="[^"]+"\} 1$', metrics, re.M):
-                break
-            time.sleep(0.5)
-        assert re.search(r'^radixray_requests_total\{status="aborted",replica="[^"]+"\} 1$', metrics, re.M), metrics
-    finally:
-        if console.proc.poll() is None:
-            os.killpg(console.proc.pid, signal.SIGTERM)
-            try:
-                console.proc.wait(timeout=120)
-            except Exception:
-                os.killpg(console.proc.pid, signal.SIGKILL)
