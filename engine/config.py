@@ -24,6 +24,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 MoeSplit = Literal["experts", "intermediate"]
 MoeDispatch = Literal["gather", "all_to_all"]
 CpuGraphMode = Literal["auto", "on", "off"]
+DisaggregationMode = Literal["null", "prefill", "decode"]
 SCHEDULE_POLICIES = get_args(SchedulePolicy)
 ATTENTION_BACKENDS = get_args(AttentionBackendName)
 LINEAR_BACKENDS = get_args(LinearBackend)
@@ -33,6 +34,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 16384
 MOE_SPLITS = get_args(MoeSplit)
 MOE_DISPATCHES = get_args(MoeDispatch)
 CPU_GRAPH_MODES = get_args(CpuGraphMode)
+DISAGGREGATION_MODES = get_args(DisaggregationMode)
 
 
 # Callers inside these packages (and argparse, for a flag) are skipped when a deprecation warning
@@ -195,6 +197,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # regex (e.g. "[ \t\n]{0,8}"); None: compact JSON, one space after each ',' and ':' and none
     # elsewhere, so a model that favours whitespace cannot spend max_tokens on it. llguidance only.
     constrained_json_whitespace_pattern: str | None = None
+    # Prefill/decode disaggregation (SGLang's flag): "prefill" computes prompts and sends their KV to a
+    # decode engine; "decode" gets each request's KV from a prefill engine and decodes; "null" does both.
+    disaggregation_mode: DisaggregationMode = "null"
+    disaggregation_transfer_timeout_s: float = 60.0  # a KV transfer not done by then fails (and is retried elsewhere)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -211,6 +217,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(self.moe_split in MOE_SPLITS, f"moe_split must be one of {MOE_SPLITS}, got {self.moe_split!r}")
         need(self.moe_dispatch in MOE_DISPATCHES,
              f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
+        need(self.disaggregation_mode in DISAGGREGATION_MODES,
+             f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+        need(self.disaggregation_transfer_timeout_s > 0, "disaggregation_transfer_timeout_s must be > 0")
         need(self.cpu_graph in CPU_GRAPH_MODES, f"cpu_graph must be one of {CPU_GRAPH_MODES}, got {self.cpu_graph!r}")
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

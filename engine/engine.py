@@ -24,7 +24,8 @@ import torch
 
 from engine.builtin_model import builtin_model_path
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, ErrorKind
+from engine.disaggregation.transfer import KVSender, KVSource
+from engine.errors import ConfigError, EngineDeadError, ErrorKind, InvalidRequestError
 from engine.forward_batch import ForwardMode
 from engine.inputs import InputProcessor
 from engine.model_runner import ModelRunner
@@ -99,6 +100,16 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_accepted_tokens: int = 0  # drafts kept
     spec_verify_requests: int = 0  # (request, verify step) pairs: tokens emitted = accepted + this
     expert_tokens: list[int] = []  # MoE: (token, expert) pairs this engine's experts computed, by expert
+    # Prefill/decode disaggregation: KV transfers this engine completed (sent by a prefill engine,
+    # received by a decode engine), their tokens and bytes; on a decode engine also the prompt
+    # tokens its own cache held (not transferred), the seconds from fetch to arrival, and the
+    # requests waiting for KV memory or for their KV (the pre-allocation queue).
+    kv_transfers: int = 0
+    kv_transfer_tokens: int = 0
+    kv_transfer_bytes: int = 0
+    kv_skipped_tokens: int = 0
+    kv_transfer_seconds: float = 0.0
+    prealloc_queue: int = 0
     # Batches run, by ForwardMode name; every mode is present (0 if none ran), so readers index it.
     batches_by_mode: dict[str, int] = msgspec.field(default_factory=lambda: dict.fromkeys(ForwardMode.__members__, 0))
 
@@ -116,7 +127,8 @@ class _Tracker:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, mlp_shard: tuple[int, int] = (0, 1),
-                 **kwargs: Any) -> None:
+                 kv_source: KVSource | None = None, **kwargs: Any) -> None:
+        """kv_source: where a decode engine (disaggregation_mode="decode") gets each request's KV."""
         self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
         if config is not None and kwargs:
             self.config = config.replace(**kwargs)
@@ -130,7 +142,10 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.scheduler = Scheduler(self.config, self.model_runner, self.eos_ids, self.tokenizer.decode)
+        if (self.config.disaggregation_mode == "decode") != (kv_source is not None):
+            raise ConfigError("a decode engine (disaggregation_mode='decode') needs a kv_source, and only it takes one")
+        self.scheduler = Scheduler(self.config, self.model_runner, self.eos_ids, self.tokenizer.decode,
+                                   kv_source=kv_source, wake=self._notify)
         mr = self.model_runner
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, mr.max_context_len,
                                      mr.max_total_tokens, eos_token_ids=self.eos_ids,
@@ -168,10 +183,16 @@ class Engine:
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict | None,
-               sink: Callable[[StreamDelta], None], rid: str | None = None) -> str:
-        """Validate and queue one request; its deltas go to `sink` (called on the step thread)."""
+               sink: Callable[[StreamDelta], None], rid: str | None = None,
+               kv_sender: KVSender | None = None) -> str:
+        """Validate and queue one request; its deltas go to `sink` (called on the step thread).
+        A prefill engine's requests come from decode engines, each with the `kv_sender` its KV
+        goes through; such a request ends with finish_reason "transferred" once it is sent."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead}")
+        if (self.config.disaggregation_mode == "prefill") != (kv_sender is not None):
+            raise InvalidRequestError("a prefill engine takes requests from decode engines (with a kv_sender), "
+                                      "and only it does")
         params = self.inputs.as_params(sampling_params)
         self.inputs.validate_input_ids(input_ids)
         self.inputs.validate_request(len(input_ids), params)
@@ -182,6 +203,7 @@ class Engine:
             gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
         req = Req(rid, list(input_ids), params, gen)
         req.grammar = self.inputs.grammar_matcher(params)  # (compiled by the validation above: cached)
+        req.kv_sender = kv_sender
         if params.min_tokens:
             req.banned_early = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
@@ -192,6 +214,12 @@ class Engine:
         if self.on_work is not None:
             self.on_work()
         return rid
+
+    def _notify(self) -> None:
+        """Wake the loop (any thread): a KV transfer changed state."""
+        self._wake.set()
+        if self.on_work is not None:
+            self.on_work()
 
     def abort(self, rid: str, message: str = "aborted by client", kind: ErrorKind = "aborted") -> None:
         self._inbox.put(("abort", (rid, message, kind)))
@@ -421,7 +449,9 @@ class Engine:
         finished = 0
         while finished < n:
             if self._loop_thread is None:
-                self.step()
+                if not self.step() and done.empty():  # only KV transfers pending: wait for one
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
             else:
                 done.get()
                 finished += 1
@@ -467,7 +497,20 @@ class Engine:
             spec_verify_requests=s.spec_verify_requests,
             expert_tokens=self.model_runner.expert_token_counts(),
             batches_by_mode={mode: s.batches_by_mode[mode] for mode in ForwardMode.__members__},
+            **self._kv_transfer_stats(),
         )
+
+    def _kv_transfer_stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        if s.transfers is not None:
+            t = s.transfers
+            return dict(kv_transfers=t.sent, kv_transfer_tokens=t.sent_tokens, kv_transfer_bytes=t.sent_bytes)
+        if s.prealloc is not None:
+            p = s.prealloc
+            return dict(kv_transfers=p.received, kv_transfer_tokens=p.received_tokens,
+                        kv_transfer_bytes=p.received_bytes, kv_skipped_tokens=p.skipped_tokens,
+                        kv_transfer_seconds=p.transfer_seconds, prealloc_queue=len(p))
+        return {}
 
     def shutdown(self) -> None:
         self._stopping = True

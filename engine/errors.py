@@ -6,7 +6,8 @@ import msgspec
 
 # Why a request ended without finishing normally (StreamDelta.error_kind); the HTTP layer maps
 # each to a status (deploy/app.py ERROR_STATUS).
-ErrorKind = Literal["invalid_request", "aborted", "timeout", "overloaded", "engine_error", "draining"]
+ErrorKind = Literal["invalid_request", "aborted", "timeout", "overloaded", "engine_error", "draining",
+                    "kv_transfer_failed"]
 
 
 class RadixRayError(Exception):

@@ -56,7 +56,7 @@ class ForwardMode(IntEnum):
 
 
 SUPPORTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE,
-                             ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2})
+                             ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.PREBUILT})
 
 
 def require_supported(mode: ForwardMode) -> None:

@@ -14,7 +14,7 @@ class FinishReason:
 
     def __init__(self, kind: str, matched: int | str | None = None, message: str | None = None,
                  error_kind: ErrorKind | None = None) -> None:
-        self.kind = kind  # "stop" | "length" | "abort"
+        self.kind = kind  # "stop" | "length" | "abort" | "transferred" (a prefill engine's request: its KV went on)
         self.matched = matched  # the EOS/stop token id or stop string that ended it
         self.message = message  # why an abort happened
         self.error_kind = error_kind  # set with kind "abort"
@@ -58,6 +58,13 @@ class Req:
         # Structured output: the request's grammar matcher (engine/grammar), set at submit. It
         # has accepted exactly output_ids (a retracted request keeps both).
         self.grammar: GrammarMatcher | None = None
+        # Prefill/decode disaggregation (engine/disaggregation): the prefill side's sender, the
+        # decode side's receiver and the payload it got, the transfer's timing, fetches so far.
+        self.kv_sender = None
+        self.kv_receiver = None
+        self.kv_payload = None
+        self.disagg: tuple | None = None
+        self.num_kv_fetches = 0
 
     @property
     def fill_ids(self) -> list[int]:

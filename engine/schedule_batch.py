@@ -104,6 +104,17 @@ class ScheduleBatch:
         self.input_ids = self._stage(input_ids)
         self.seq_lens = self._stage(self.seq_lens_cpu)
 
+    def prepare_for_prebuilt(self) -> None:
+        """PREBUILT (a decode engine of a disaggregated pair): each request's KV arrived in the
+        slots its row points at, so nothing is computed; seq_lens are what the rows hold."""
+        self.forward_mode = ForwardMode.PREBUILT
+        self.prefix_lens = [r.kv_len for r in self.reqs]
+        self.extend_lens = [0] * len(self.reqs)
+        self.seq_lens_cpu = list(self.prefix_lens)
+        self.req_pool_indices = self._to_device([r.req_pool_idx for r in self.reqs], torch.int64)
+        self.seq_lens = self._stage(self.seq_lens_cpu)
+        self.input_ids = self.out_cache_loc = torch.empty(0, dtype=torch.int64, device=self.device)
+
     def prepare_for_idle(self) -> None:
         """No sequences: zero tokens, so an attention-DP rank can still join the collectives."""
         self.forward_mode = ForwardMode.IDLE

@@ -16,8 +16,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import torch
+
 from engine.cache_manager import CacheManager
 from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig
+from engine.disaggregation.decode import DecodePrealloc
+from engine.disaggregation.prefill import PrefillTransfers
+from engine.disaggregation.transfer import KVSource
 from engine.draft_model import DraftModelDrafter
 from engine.errors import EngineDeadError, ErrorKind
 from engine.forward_batch import ForwardBatch, ForwardMode
@@ -70,8 +75,9 @@ class StepStrategy:
         return batch
 
     def again(self, sched: Scheduler) -> bool:
-        """After the step: whether to step again at once (else the loop sleeps until work)."""
-        return sched.has_work() or sched.inflight is not None
+        """After the step: whether to step again at once (else the loop sleeps until work, or
+        until a KV transfer changes state)."""
+        return sched.has_runnable() or sched.inflight is not None
 
 
 class OverlapStep(StepStrategy):
@@ -87,7 +93,8 @@ class OverlapStep(StepStrategy):
 
 class Scheduler:
     def __init__(self, config: EngineConfig, model_runner, eos_token_ids: frozenset[int],
-                 decode_tail: Callable[[list[int]], str] | None = None) -> None:
+                 decode_tail: Callable[[list[int]], str] | None = None, kv_source: KVSource | None = None,
+                 wake: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.model_runner = model_runner
         self.device = model_runner.device
@@ -130,6 +137,14 @@ class Scheduler:
         self.spec_draft_tokens = 0  # drafts scored by verify forwards
         self.spec_accepted_tokens = 0  # drafts kept
         self.spec_verify_requests = 0  # (request, verify step) pairs
+        # Prefill/decode disaggregation: a prefill engine's requests end by sending their KV
+        # (transfers); a decode engine's wait for theirs (prealloc), then run a PREBUILT batch.
+        mode, timeout = config.disaggregation_mode, config.disaggregation_transfer_timeout_s
+        self.transfers = (PrefillTransfers(self.cache, model_runner.kv_cache, timeout, wake)
+                          if mode == "prefill" else None)
+        self.prealloc = (DecodePrealloc(self.cache, model_runner.kv_cache, kv_source, timeout, wake)
+                         if mode == "decode" else None)
+        self.prebuilt_ready: list[Req] = []
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.cache, self.device)
@@ -137,7 +152,10 @@ class Scheduler:
     # ---- request table ---------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         self.reqs[req.rid] = req
-        self.waiting_queue.append(req)
+        if self.prealloc is not None:  # a decode engine computes no prompt: it waits for the KV
+            self.prealloc.add(req)
+        else:
+            self.waiting_queue.append(req)
         self._idle_checked = False
 
     def abort_request(self, rid: str, message: str = "aborted", kind: ErrorKind = "aborted") -> None:
@@ -148,7 +166,13 @@ class Scheduler:
             self.pending_aborts.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req)
+        """Any request here (waiting, running, or on either side of a KV transfer)."""
+        return bool(self.has_runnable() or (self.transfers is not None and self.transfers.queue)
+                    or (self.prealloc is not None and len(self.prealloc)))
+
+    def has_runnable(self) -> bool:
+        """Work a step can do now (a KV transfer in progress wakes the loop when it changes)."""
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.prebuilt_ready)
 
     def _handle_aborts(self) -> list[Req]:
         ended, pending, self.pending_aborts = [], self.pending_aborts, []
@@ -160,6 +184,14 @@ class Scheduler:
             self.num_aborted += 1
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
+            elif self.transfers is not None and self.transfers.remove(req):
+                req.kv_sender.fail(f"aborted: {req.to_abort[0]}")
+                self.cache.cache_finished_req(req)  # its prompt's KV is good: it stays cached
+            elif self.prealloc is not None and self.prealloc.remove(req, f"aborted: {req.to_abort[0]}"):
+                pass
+            elif req in self.prebuilt_ready:
+                self.prebuilt_ready.remove(req)
+                self.cache.release_req(req)
             else:
                 admitted = True
                 if req is self.chunked_req:
@@ -180,7 +212,10 @@ class Scheduler:
         touched: list[Req] = []
         if self.inflight is not None and not self._can_schedule_ahead():
             touched += self._finish_inflight()
+        touched += self._poll_transfers()
         touched += self._handle_aborts()
+        if self.prebuilt_ready:
+            touched += self._run_prebuilt()
         batch = self.get_next_batch_to_run()
         touched, self.failed = touched + self.failed, []  # (those its building failed)
         batch = strategy.sync(self, batch, touched)
@@ -210,6 +245,7 @@ class Scheduler:
         does a grammar: its next mask depends on the token still in flight)."""
         running = self.running_batch.reqs
         return not (self.waiting_queue or self.chunked_req or self.pending_aborts or self.drafter is not None
+                    or (self.prealloc is not None and self.prealloc.needs_step())
                     or any(r.sampling_params.has_penalties or r.grammar is not None for r in running)
                     or self.cache.available_size() < 2 * len(running) + 2)
 
@@ -219,6 +255,66 @@ class Scheduler:
         batch, wait = self.inflight
         self.inflight = None
         return self.complete(batch, wait)
+
+    # ---- prefill/decode disaggregation ----------------------------------------------------------
+    def _poll_transfers(self) -> list[Req]:
+        """Prefill: send KV, end the requests whose transfer ended. Decode: take in received KV
+        (its requests become ready for PREBUILT), pre-allocate for waiting requests."""
+        if self.transfers is not None:
+            return self.transfers.poll()
+        # A decode engine allocates, evicts and writes KV slots here: never beside a batch in
+        # flight, which may still write slots the cache has just let go of.
+        if self.prealloc is None or self.inflight is not None:
+            return []
+        running = self.running_batch.reqs + self.prealloc.transferring + self.prebuilt_ready
+        reserved = int(self.new_token_ratio * sum(r.sampling_params.max_new_tokens - len(r.output_ids)
+                                                  for r in running))
+        free_rows = self.max_running - len(running)
+        ready, failed = self.prealloc.step(reserved, free_rows)
+        self.prebuilt_ready += ready
+        ended = []
+        for req, message, kind in failed:
+            req.finished_reason = FinishReason("abort", message=message, error_kind=kind)
+            self.num_failed += 1
+            ended.append(req)
+        return ended
+
+    def _run_prebuilt(self) -> list[Req]:
+        """PREBUILT: requests whose KV arrived join the decode batch without a forward. Their
+        rows already point at the received slots; the prompt goes into this engine's cache; a new
+        request takes its first token (and RNG state, prompt logprobs) from the prefill."""
+        batch, self.prebuilt_ready = self._new_batch(self.prebuilt_ready), []
+        batch.prepare_for_prebuilt()
+        self.batches_by_mode[ForwardMode.PREBUILT.name] += 1
+        self.last_mode = ForwardMode.PREBUILT.name
+        touched, joined = [], []
+        for req in batch.reqs:
+            payload, req.kv_payload = req.kv_payload, None
+            self.cache.cache_unfinished_req(req)
+            if not req.output_ids:  # (a retracted request resumes from its own tokens)
+                if payload.generator_state is not None and req.generator is not None:
+                    req.generator.set_state(payload.generator_state)
+                if payload.prompt_logprobs is not None and req.prompt_logprobs is not None:
+                    req.prompt_logprobs = list(payload.prompt_logprobs)
+                req.cached_tokens = payload.cached_tokens
+                self.cached_tokens += payload.cached_tokens
+                self.prompt_tokens += len(req.origin_input_ids)
+                try:
+                    self._append_token(req, payload.first_token, payload.first_logprob)
+                except Exception as e:
+                    touched += self.fail_reqs([req], e)
+                    continue
+                touched.append(req)
+            if req.finished():
+                self.cache.cache_finished_req(req)
+            else:
+                joined.append(req)
+        if joined:  # each running row's last token is in the future-token buffer (overlap reads it)
+            rows = torch.tensor([r.req_pool_idx for r in joined], device=self.device)
+            self.model_runner.future_token_ids[rows] = torch.tensor([r.output_ids[-1] for r in joined],
+                                                                    device=self.device)
+        self.running_batch = self._new_batch(self.running_batch.reqs + joined)
+        return touched
 
     def idle_batch(self) -> ScheduleBatch:
         batch = self._new_batch([])
@@ -303,10 +399,16 @@ class Scheduler:
         batch = self.running_batch
         if batch.is_empty():
             return None
+        if not batch.check_decode_mem() and self.prealloc is not None:
+            self.prealloc.retract()  # transfers still on their way are the cheapest to give back
         if not batch.check_decode_mem():
             retracted = batch.retract_decode()
             self.num_retracted += len(retracted)
-            self.waiting_queue = retracted + self.waiting_queue
+            if self.prealloc is not None:  # a decode engine never extends: their KV comes back through a prefill
+                for req in reversed(retracted):
+                    self.prealloc.add(req, first=True)
+            else:
+                self.waiting_queue = retracted + self.waiting_queue
             # Reserve every running request's full remaining output for a while: no thrashing.
             self.new_token_ratio = 1.0
         try:
@@ -395,13 +497,15 @@ class Scheduler:
         mode = fb.forward_mode.name
         self.batches_by_mode[mode] += 1
         self.last_mode = mode
+        # Read now, not on the forward thread: the next step may prepare this batch object again.
+        reqs, drafts, from_future = batch.reqs, batch.drafts, batch.input_ids_from_future
 
         def job() -> PendingSample:
             t0 = time.perf_counter()
-            if batch.forward_mode.is_target_verify():
-                pending = self.model_runner.forward_and_verify(fb, batch.reqs, batch.drafts)
+            if fb.forward_mode.is_target_verify():
+                pending = self.model_runner.forward_and_verify(fb, reqs, drafts)
             else:
-                pending = self.model_runner.forward_and_sample(fb, batch.reqs, batch.input_ids_from_future)
+                pending = self.model_runner.forward_and_sample(fb, reqs, from_future)
             self.forward_seconds[mode] += time.perf_counter() - t0
             return pending
 
@@ -438,6 +542,9 @@ class Scheduler:
                 lp = lp._replace(prompt=None)
             if req.kv_len < req.seqlen:  # a prefill chunk that did not reach the prompt's end
                 self.cache.cache_unfinished_req(req)
+                continue
+            if self.transfers is not None:  # a prefill engine: the first token goes with the KV
+                self.transfers.add(req, result.next_token_ids[i], lp)
                 continue
             try:
                 self._append_token(req, result.next_token_ids[i], lp)
