@@ -26,11 +26,22 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import ray
 
-from actors.stats import DPGroupStats
-
 Epoch = tuple[str, int]  # (coordinator incarnation, number)
+
+
+class DPGroupStats(msgspec.Struct, kw_only=True):
+    """One attention-DP group, as its coordinator sees it."""
+
+    group: int
+    epoch: int  # bumped on every gang restart (-1: none yet)
+    waves_started: int
+    members: list[int]  # ranks joined in this epoch
+    restarts: int  # gang restarts this coordinator ordered
+    coordinator: str = ""  # the coordinator's incarnation id (a new one after Ray restarted it)
+    rejoins: int = 0  # members that checked back in after the coordinator restarted
 
 
 class DPCoordinator:

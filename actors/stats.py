@@ -1,10 +1,14 @@
-"""Stats structs the actors return (pickled by Ray like any return value)."""
+"""Stats structs the actors return (pickled by Ray like any return value). DPGroupStats is
+defined beside the DPCoordinator, whose process never imports the engine (nor torch)."""
 
 from __future__ import annotations
 
 import msgspec
 
+from actors.dp_coordinator import DPGroupStats
 from engine.engine import EngineStats
+
+__all__ = ["DPGroupStats", "DPMemberStats", "EngineActorStats"]
 
 
 class DPMemberStats(msgspec.Struct, kw_only=True):
@@ -27,15 +31,3 @@ class EngineActorStats(msgspec.Struct, kw_only=True):
     engine: EngineStats
     dp: DPMemberStats | None = None  # attention-DP member only
     dp_group: int | None = None  # attention-DP: index of its group, set by the cluster
-
-
-class DPGroupStats(msgspec.Struct, kw_only=True):
-    """One attention-DP group, as its coordinator sees it."""
-
-    group: int
-    epoch: int  # bumped on every gang restart (-1: none yet)
-    waves_started: int
-    members: list[int]  # ranks joined in this epoch
-    restarts: int  # gang restarts this coordinator ordered
-    coordinator: str = ""  # the coordinator's incarnation id (a new one after Ray restarted it)
-    rejoins: int = 0  # members that checked back in after the coordinator restarted

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster import Cluster, ClusterConfig
-from engine import Engine, SamplingParams
+from engine import SamplingParams
 from tests.engine.test_speculative import prompts
 
 pytestmark = pytest.mark.ray
@@ -14,15 +14,15 @@ GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
-def test_group_with_drafts_matches_plain_decoding(ray_local, model_dirs, near_draft, drafter):
+def test_group_with_drafts_matches_plain_decoding(ray_local, model_dirs, near_draft, single, drafter):
     """Each member drafts on its own (an n-gram index, or its own copy of the draft model and
     its draft KV); the verify forwards run in lock-step."""
     path = model_dirs["llama"]
     ids = prompts(6, seed=9)
-    ref = Engine(model_path=path).generate(input_ids=ids, sampling_params=GREEDY)
+    ref = single(path).generate(input_ids=ids, sampling_params=GREEDY)
     spec = ({"speculative_algorithm": "ngram"} if drafter == "ngram" else
             {"speculative_algorithm": "draft_model", "speculative_draft_model_path": near_draft})
-    cfg = ClusterConfig(model_path=path, num_engines=2, routing="round_robin", dp_attention=True,
+    cfg = ClusterConfig(model_path=path, num_engines=2, routing="round_robin", enable_dp_attention=True,
                         engine={**spec, "speculative_num_draft_tokens": 3})
     with Cluster(cfg) as cl:
         both = cl.generate(input_ids=ids, sampling_params=GREEDY)
