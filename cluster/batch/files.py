@@ -12,8 +12,6 @@ from typing import Any
 import pyarrow as pa
 from ray.data.datasource import FileBasedDatasource
 
-from engine.errors import ConfigError
-
 INPUT_EXTENSIONS = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".json.gz", ".parquet")
 READ_CHUNK_BYTES = 1 << 20
 ROWS_PER_READ_BLOCK = 4096
@@ -39,6 +37,10 @@ def resolve_input(spec: str) -> tuple[list[str], Any]:
     import fnmatch
 
     from pyarrow import fs as pafs
+
+    # Here, not at the top: the writer imports this module for filesystem_for, and the engine
+    # package brings torch.
+    from engine.errors import ConfigError
 
     filesystem, path = filesystem_for(spec)
     parts = path.split("/")

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pyarrow as pa
 
-from cluster.batch.rows import RESULT_SCHEMA, ResultRow
+from cluster.batch.shards import RESULT_SCHEMA, ResultRow
 from engine.errors import InvalidRequestError
 from openai_api.tool_parsers import TOOL_PARSERS, JsonArrayToolParser, ToolParser
 

@@ -9,9 +9,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from cluster.batch.files import filesystem_for
-from cluster.batch.shards import committed_shards
-
 
 def id_digests(ids: list[str]) -> np.ndarray:
     """Fixed-width digests of ids: the resume set is a sorted array of these (16 bytes an id)."""
@@ -36,6 +33,11 @@ def _shard_ids(filesystem: Any, path: str) -> list[str]:
 def load_done_ids(output: str) -> np.ndarray:
     """The sorted digests of every id in the committed shards (runs as a Ray task, so the driver
     never holds them; Preprocess reads the array from the object store without a copy)."""
+    # Here, not at the top: the SeenIds actor's process imports this module, and these bring the
+    # engine (torch) and Ray Data, which it never uses.
+    from cluster.batch.files import filesystem_for
+    from cluster.batch.shards import committed_shards
+
     filesystem, _ = filesystem_for(output)
     parts = [id_digests(_shard_ids(filesystem, p)) for p in committed_shards(output)]
     return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype="S16")

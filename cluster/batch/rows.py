@@ -1,5 +1,5 @@
-"""What a row is: an input line (`BatchLine`, checked by `parse_row`), the work row Preprocess
-hands the engines (`WORK_SCHEMA`) and a result row (`ResultRow`, `RESULT_SCHEMA`)."""
+"""What a row is: an input line (`BatchLine`, checked by `parse_row`) and the work row Preprocess
+hands the engines (`WORK_SCHEMA`); a result row is the writer's (`shards.ResultRow`)."""
 
 from __future__ import annotations
 
@@ -39,29 +39,6 @@ class BatchLine(OpenAISampling, OpenAITools, kw_only=True, forbid_unknown_fields
         return self.constrain_tools(self.sampling_params(DEFAULT_MAX_TOKENS))
 
 
-class ResultRow(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One output row: a result, or {"id", "error"} (unset fields are left out of JSONL)."""
-
-    id: str
-    text: str | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's message.tool_calls
-    # With prompt_logprobs: None, then per prompt token {token_id, logprob, rank, top_logprobs}.
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
-
-
-_TOKEN_LOGPROB = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
-RESULT_SCHEMA = pa.schema([
-    ("id", pa.string()), ("text", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
-    ("cached_tokens", pa.int64()), ("finish_reason", pa.string()), ("error", pa.string()),
-    ("tool_calls", pa.list_(pa.struct([("id", pa.string()), ("type", pa.string()), ("function", pa.struct([
-        ("name", pa.string()), ("arguments", pa.string())]))]))),
-    ("prompt_logprobs", pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()),
-                                            ("rank", pa.int64()), ("top_logprobs", pa.list_(_TOKEN_LOGPROB))])))])
 # echo: the text the output starts with; tool_parser: what parses its tool calls (None: plain text).
 WORK_SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("params", pa.binary()),
                          ("error", pa.string()), ("echo", pa.string()), ("tool_parser", pa.string())])

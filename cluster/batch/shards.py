@@ -1,16 +1,17 @@
-"""The job's output: result shards committed whole (`WriteShards`, the last Ray Data stage), the
-committed ones listed (`committed_shards`) and a killed run's temporaries removed."""
+"""The job's output: a result row (`ResultRow`, `RESULT_SCHEMA`), result shards committed whole
+(`WriteShards`, the last Ray Data stage), the committed ones listed (`committed_shards`) and a
+killed run's temporaries removed. No engine import: the writer's process starts without torch."""
 
 from __future__ import annotations
 
 import hashlib
 import posixpath
+from typing import Any
 
 import msgspec
 import pyarrow as pa
 
 from cluster.batch.files import filesystem_for
-from cluster.batch.rows import ResultRow
 
 SHARD_PREFIX = "part-"
 TMP_SUFFIX = ".tmp"
@@ -18,6 +19,31 @@ TMP_SUFFIX = ".tmp"
 # PutObject / CompleteMultipartUpload, GCS's finalized upload) and a rename is a copy and a delete:
 # shards are uploaded under their final names there.
 ATOMIC_UPLOAD_FILESYSTEMS = frozenset({"s3", "gcs"})
+
+
+class ResultRow(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One output row: a result, or {"id", "error"} (unset fields are left out of JSONL)."""
+
+    id: str
+    text: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's message.tool_calls
+    # With prompt_logprobs: None, then per prompt token {token_id, logprob, rank, top_logprobs}.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+_TOKEN_LOGPROB = pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])
+RESULT_SCHEMA = pa.schema([
+    ("id", pa.string()), ("text", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+    ("cached_tokens", pa.int64()), ("finish_reason", pa.string()), ("error", pa.string()),
+    ("tool_calls", pa.list_(pa.struct([("id", pa.string()), ("type", pa.string()), ("function", pa.struct([
+        ("name", pa.string()), ("arguments", pa.string())]))]))),
+    ("prompt_logprobs", pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64()),
+                                            ("rank", pa.int64()), ("top_logprobs", pa.list_(_TOKEN_LOGPROB))])))])
 
 
 class ShardReport(msgspec.Struct, kw_only=True):

@@ -98,13 +98,13 @@ def reference(ray_local, model_dirs) -> dict[str, object]:
     return out
 
 
-def run_job(folder: Path, out: Path, model: str, output_format: str):
+def run_job(folder: Path | str, out: Path | str, model: str, output_format: str, engines: int = 2):
     from cluster.batch import BatchOptions, run
 
-    # Small windows and shards: several of each, over both engines.
+    # Small windows and shards: several of each, over every engine.
     opts = BatchOptions(input=str(folder), output=str(out), output_format=output_format, window=4, group_rows=8,
                         rows_per_shard=5, progress=False)
-    return run(opts, engine_config(model, 2))
+    return run(opts, engine_config(model, engines))
 
 
 def assert_matches(results: dict[str, dict], reference: dict[str, object]) -> None:
@@ -147,26 +147,58 @@ def test_jsonl_folder_matches_cluster_generate_and_bad_rows_become_errors(ray_lo
     assert summary.cached_tokens > 0 and summary.shards == len(list(out.glob("part-*.jsonl"))) > 1
 
 
-def test_parquet_folder_matches_cluster_generate(ray_local, model_dirs, reference, tmp_path):
+def parquet_file(rows: list[dict]) -> bytes:
+    """Rows as one Parquet file: a column per field, null where a row has none; ids as strings (one
+    Parquet column, one type)."""
+    rows = [r | {"id": str(r["id"])} for r in rows]
+    keys = sorted({k for r in rows for k in r})
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), sink)
+    return sink.getvalue().to_pybytes()
+
+
+# A bad row in each input format (besides a line that is not JSON).
+JSONL_BAD = {"id": "other-model", "prompt": "hi", "model": "gpt-4o"}
+PARQUET_BAD = {"id": "too-long", "prompt": "y" * 1100}
+
+
+@pytest.fixture(scope="module")
+def mixed_files(model_dirs) -> dict[str, bytes]:
+    """JSONL and Parquet files holding every good row, a bad row in each format and a line that is
+    not JSON: read from a local folder (mixed_run) and from S3, they give the same rows."""
     from openai_api.served_model import served_model_name
 
-    model = model_dirs["llama"]
-    rows = good_rows(served_model_name(model)) + [{"id": "too-long", "prompt": "y" * 1100}]
-    for r in rows:
-        r["id"] = str(r["id"])  # one Parquet column, one type
-    folder = tmp_path / "in"
-    folder.mkdir()
-    keys = sorted({k for r in rows for k in r})  # a column per field; null where a row has none
-    for k in range(3):
-        pq.write_table(pa.Table.from_pylist([{key: r.get(key) for key in keys} for r in rows[k::3]]),
-                       folder / f"part{k}.parquet")
-    out = tmp_path / "out"
-    run_job(folder, out, model, "parquet")
+    good = good_rows(served_model_name(model_dirs["llama"]))
+    return {"a.jsonl": "\n".join([json.dumps(good[0]), "{not json"]  # no newline after the last line
+                                 + [json.dumps(r) for r in good[2::3] + [JSONL_BAD]]).encode(),
+            "sub/b.jsonl": ("\n".join(json.dumps(r) for r in good[3::3]) + "\n").encode(),
+            "c.parquet": parquet_file(good[1::6]),
+            "sub/d.parquet": parquet_file(good[4::6] + [PARQUET_BAD])}
 
+
+@pytest.fixture(scope="module")
+def mixed_run(ray_local, model_dirs, mixed_files, tmp_path_factory) -> tuple[Path, Path]:
+    """The mixed files from a local folder to local Parquet shards: (input folder, output folder)."""
+    root = tmp_path_factory.mktemp("mixed")
+    for name, data in mixed_files.items():
+        (root / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "in" / name).write_bytes(data)
+    run_job(root / "in", root / "out", model_dirs["llama"], "parquet", engines=1)
+    return root / "in", root / "out"
+
+
+def test_parquet_and_jsonl_files_to_parquet_shards_match_cluster_generate(model_dirs, mixed_run, reference):
+    """Parquet input (nulls where a row has no field) gives what JSONL gives; Parquet output."""
+    from openai_api.served_model import served_model_name
+
+    folder, out = mixed_run
     results = read_results(out)
-    assert set(results) == {r["id"] for r in rows}
+    bad_json = f"{folder}/a.jsonl:2"
+    good = good_rows(served_model_name(model_dirs["llama"]))
+    assert set(results) == {str(r["id"]) for r in good} | {"other-model", "too-long", bad_json}
     assert_matches(results, reference)
-    assert "context" in results["too-long"]["error"]
+    assert "context" in results["too-long"]["error"] and "does not exist" in results["other-model"]["error"]
+    assert "invalid JSON" in results[bad_json]["error"]
     assert pq.read_schema(next(out.glob("part-*.parquet"))).names == [
         "id", "text", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "error", "tool_calls",
         "prompt_logprobs"]
@@ -252,6 +284,19 @@ def test_inputs_globs_and_the_shard_commit(tmp_path):
     assert len(committed_shards(str(out))) == 1
 
 
+def test_the_claim_table_and_the_writer_start_without_the_engine():
+    """No Ray: the SeenIds actor's and the writer's processes import their own modules, not the
+    engine and torch (seconds of CPU in every job's start-up); every public name still resolves."""
+    import cluster.batch
+
+    code = ("import sys, cluster.batch.ids, cluster.batch.shards; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'engine', 'openai_api', 'actors'}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr[-2000:]
+    for name in cluster.batch.__all__:
+        getattr(cluster.batch, name)
+
+
 # ---- duplicate ids ----------------------------------------------------------------------------------
 def test_seen_ids_first_claim_wins_and_a_retried_claim_holds():
     """No Ray: the claim table behind duplicate detection, against a dict, over many small claims
@@ -290,7 +335,7 @@ def test_duplicate_ids_run_once_and_later_rows_become_errors(ray_local, model_di
         row("bad-first", "hi", 2, temperature="hot"), row("bad-first", "hi", 2),  # 6, 7
         row(7, "Sam", 2), row("7", "Sam", 2)]) + "\n")  # 8, 9: the same id in the output
     b.write_text("\n".join(json.dumps(r) for r in [row("cross", "Ann", 4), row("only-b", "Bo", 2)]) + "\n")
-    summary = run_job(folder, out, model_dirs["llama"], "jsonl")
+    summary = run_job(folder, out, model_dirs["llama"], "jsonl", engines=1)  # two read tasks whatever the engines
 
     results = read_results(out)  # asserts that no id is written twice
     dups = {f"{a}:3": "dup", f"{a}:4": "dup", f"{a}:7": "bad-first", f"{a}:9": "7"}
@@ -306,97 +351,129 @@ def test_duplicate_ids_run_once_and_later_rows_become_errors(ray_local, model_di
     assert "invalid fields" in results["bad-first"]["error"]
     assert (summary.rows, summary.errors) == (len(results), len(dups) + 1)
 
-    again = run_job(folder, out, model_dirs["llama"], "jsonl")
+    again = run_job(folder, out, model_dirs["llama"], "jsonl", engines=1)  # nothing to generate
     assert (again.rows, again.skipped) == (0, len(results))
     assert read_results(out) == results
 
 
 # ---- the job as a process: memory, kill and resume ------------------------------------------------
-PEAK_RSS = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
-            "print('peak_rss_kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+# A driver process of its own that runs jobs (JSON lists of `python -m cluster batch` arguments)
+# one after another: after each, its summary line and the process's peak RSS so far, in KiB.
+DRIVER = ("import json, resource, sys\n"
+          "from cluster.batch import main\n"
+          "for args in json.loads(sys.argv[1]):\n"
+          "    assert main(args) == 0\n"
+          "    print('peak_rss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n")
 
 
 def write_short_rows(folder: Path, n: int, files: int = 4) -> None:
+    """n rows over `files` files; one token each (its window's prefill makes it)."""
     folder.mkdir(parents=True)
     for f in range(files):
         with open(folder / f"p{f}.jsonl", "w") as fh:
             for i in range(f, n, files):
                 fh.write(json.dumps({"id": f"r{i}", "prompt": f"tenant {i % 10} asks question {i}",
-                                     "max_tokens": 2, "temperature": 0, "ignore_eos": True}) + "\n")
+                                     "max_tokens": 1, "temperature": 0, "ignore_eos": True}) + "\n")
 
 
-def job_argv(folder: Path, out: Path, model: str, *extra: str) -> list[str]:
+def job_args(folder: Path, out: Path, model: str, *extra: str) -> list[str]:
+    """`python -m cluster batch` arguments for a job on this session's Ray."""
     import ray
 
-    return [sys.executable, "-m", "cluster", "batch", "--input", str(folder), "--output", str(out), "--model", model,
-            "--engines", "2", "--address", ray.get_runtime_context().gcs_address, "--no-progress", *extra]
+    return ["--input", str(folder), "--output", str(out), "--model", model, "--engines", "2",
+            "--address", ray.get_runtime_context().gcs_address, "--no-progress", *extra]
 
 
 def job_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
 
 
-def summary_counts(stdout: str) -> tuple[int, int, int]:
-    """(rows, errors, already_done) from the job's summary line."""
-    m = re.search(r"^batch: rows=(\d+) errors=(\d+) .* already_done=(\d+)$", stdout, re.M)
-    assert m, stdout[-2000:]
-    return int(m[1]), int(m[2]), int(m[3])
-
-
-def run_measured(argv: list[str]) -> tuple[str, int]:
-    """Run the job in a process of its own; its output and its peak RSS in KiB."""
-    r = subprocess.run([sys.executable, "-c", PEAK_RSS, *argv], cwd=ROOT, env=job_env(), capture_output=True,
-                       text=True, timeout=600)
+def run_driver(*jobs: list[str]) -> list[tuple[tuple[int, int, int], int]]:
+    """Jobs one after another in a driver process of its own: for each, (rows, errors,
+    already_done) from its summary line, and the driver's peak RSS in KiB once it is done."""
+    r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs)], cwd=ROOT, env=job_env(),
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout, int(r.stdout.rsplit("peak_rss_kb", 1)[1].split()[0])
+    counts = re.findall(r"^batch: rows=(\d+) errors=(\d+) .* already_done=(\d+)$", r.stdout, re.M)
+    peaks = re.findall(r"^peak_rss_kb (\d+)$", r.stdout, re.M)
+    assert len(counts) == len(peaks) == len(jobs), r.stdout[-3000:]
+    return [(tuple(map(int, c)), int(kb)) for c, kb in zip(counts, peaks)]
 
 
 def test_ten_thousand_rows_once_each_with_a_bounded_driver(ray_local, model_dirs, tmp_path):
     model = model_dirs["llama"]
     write_short_rows(tmp_path / "small", 200)
     write_short_rows(tmp_path / "big", 10_000)
-    _, small_kb = run_measured(job_argv(tmp_path / "small", tmp_path / "small_out", model))
-    stdout, big_kb = run_measured(job_argv(tmp_path / "big", tmp_path / "big_out", model))
+    (_, small_kb), (counts, big_kb) = run_driver(job_args(tmp_path / "small", tmp_path / "small_out", model),
+                                                 job_args(tmp_path / "big", tmp_path / "big_out", model))
 
     results = read_results(tmp_path / "big_out")
     assert set(results) == {f"r{i}" for i in range(10_000)}
-    assert all(r["completion_tokens"] == 2 for r in results.values())
-    assert summary_counts(stdout) == (10_000, 0, 0)
+    assert all(r["completion_tokens"] == 1 for r in results.values())
+    assert counts == (10_000, 0, 0)
     # The driver holds per-shard reports, never the rows: 50x the rows cost it next to nothing
-    # (the driver-loop job it replaced, which held every row, grew by ~55 MB on this input).
+    # over the peak a 200-row job left (the driver-loop job it replaced, which held every row,
+    # grew by ~55 MB on this input).
     assert big_kb - small_kb < 32 * 1024, (small_kb, big_kb)
     assert big_kb < 1024 * 1024, big_kb
 
 
+def running(pid: int) -> bool:
+    """Whether a process with this id is alive (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def writer_processes(skip: set[str]) -> list[int]:
+    """The processes of the batch jobs' shard writers (actors not in skip) that may still run."""
+    import ray._private.state  # the GCS's actor table (the state API needs a dashboard this Ray has not)
+
+    return [a["Pid"] for aid, a in ray._private.state.actors().items()
+            if aid not in skip and "WriteShards" in a["ActorClassName"]
+            and (a["State"] != "DEAD" or (a["Pid"] > 0 and running(a["Pid"])))]
+
+
 def test_killed_midway_resumes_with_every_id_once(ray_local, model_dirs, tmp_path):
+    """The job killed as soon as it has committed a shard; a new run writes every other id."""
+    import ray._private.state
+
+    from cluster.batch import BatchOptions, run
+
     model = model_dirs["llama"]
     folder, out = tmp_path / "in", tmp_path / "out"
     write_short_rows(folder, 10_000)
-    argv = job_argv(folder, out, model, "--rows-per-shard", "200")
-    proc = subprocess.Popen(argv, cwd=ROOT, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    earlier = set(ray._private.state.actors())
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "batch", *job_args(folder, out, model,
+                                                                               "--rows-per-shard", "200")],
+                            cwd=ROOT, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
-        while not list(out.glob("part-*")) and proc.poll() is None and time.monotonic() < deadline:
+        while not list(out.glob("part-*")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no shard committed in 300 s"
             time.sleep(0.05)
         assert proc.poll() is None, "the job ended before it could be killed"
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
-    # The dead driver's actors go down shortly after it: a shard already being written may still
-    # land. Wait until nothing lands any more.
-    shards: set[Path] = set()
-    while set(out.glob("part-*")) != shards:
-        shards = set(out.glob("part-*"))
-        time.sleep(3)
+    # The dead driver's actors go down shortly after it, and until its writer's process is gone a
+    # shard already being written may still land.
+    deadline = time.monotonic() + 120
+    while writer_processes(earlier):
+        assert time.monotonic() < deadline, writer_processes(earlier)
+        time.sleep(0.1)
     before = read_results(out)  # every committed shard is whole: each line parses
     assert 0 < len(before) < 10_000
     # A shard a kill interrupted mid-write: under its temporary name it never counts.
     torn = out / ".part-0123456789abcdef0123.jsonl.tmp"
     torn.write_text(json.dumps({"id": "r1", "text": "x"}) + '\n{"id": "r2", "te')
 
-    stdout, _ = run_measured(argv)
-    assert summary_counts(stdout) == (10_000 - len(before), 0, len(before))
+    summary = run(BatchOptions(input=str(folder), output=str(out), rows_per_shard=200, progress=False),
+                  engine_config(model, 2))
+    assert (summary.rows, summary.errors, summary.skipped) == (10_000 - len(before), 0, len(before))
     after = read_results(out)
     assert set(after) == {f"r{i}" for i in range(10_000)}
     assert all(after[rid] == row for rid, row in before.items())
@@ -412,15 +489,23 @@ MOTO_MIN_VERSION = "5.2.5"
 class S3:
     """A local S3 (moto's server, on a thread of this process) and a boto3 client for it."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, host: str, port: int) -> None:
         import boto3
 
+        endpoint = f"http://{host}:{port}"
+        self.host_port = f"{host}:{port}"
         # What pyarrow (the job's filesystems) reads: credentials, region, where S3 is; and no
         # EC2 instance-metadata lookups for credentials.
         self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
                     "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
         self.client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
                                    aws_secret_access_key="testing", region_name="us-east-1")
+
+    def uri(self, bucket: str, path: str) -> str:
+        """A URI that carries where S3 is and its credentials (pyarrow's URI options): a job's Ray
+        workers then need nothing from their environment."""
+        return (f"s3://testing:testing@{bucket}/{path}?endpoint_override={self.host_port}&scheme=http"
+                "&region=us-east-1")
 
     def bucket(self) -> str:
         """A new bucket, versioned: every object ever written under a key stays listed."""
@@ -465,7 +550,7 @@ def s3():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # port 0: a free one
     server.start()
     host, port = server.get_host_and_port()
-    yield S3(f"http://{host}:{port}")
+    yield S3(host, port)
     server.stop()
 
 
@@ -514,8 +599,9 @@ def test_shards_on_s3_are_uploaded_under_their_final_names(s3, monkeypatch):
 
     # What writing under the final name rests on: an upload cut off (here after a 10 MiB part went
     # up) leaves no object, only an unfinished multipart upload that no listing shows.
-    cut = ("import os, sys; from cluster.batch import filesystem_for; fs, path = filesystem_for(sys.argv[1]); "
-           "f = fs.open_output_stream(path); f.write(b'x' * (12 << 20)); f.flush(); os._exit(0)")
+    # (filesystem_for's filesystem: pyarrow's for the URI.)
+    cut = ("import os, sys; from pyarrow import fs; s3, path = fs.FileSystem.from_uri(sys.argv[1]); "
+           "f = s3.open_output_stream(path); f.write(b'x' * (12 << 20)); f.flush(); os._exit(0)")
     subprocess.run([sys.executable, "-c", cut, f"s3://{bucket}/out/part-cut.jsonl"], cwd=ROOT, check=True,
                    timeout=120)
     assert [u["Key"] for u in s3.client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == [
@@ -523,44 +609,18 @@ def test_shards_on_s3_are_uploaded_under_their_final_names(s3, monkeypatch):
     assert committed_shards(out) == shards
 
 
-def s3_job(s3: S3, *args: str) -> str:
-    """The job as a process on a Ray of its own: Ray's workers inherit the environment of the
-    process that starts Ray, so they read S3's settings from it as the driver does (a job on an
-    existing cluster gets them from the nodes or from its runtime_env)."""
-    argv = [sys.executable, "-m", "cluster", "batch", *args, "--engines", "1", "--window", "4", "--group-rows", "8",
-            "--rows-per-shard", "5", "--no-progress"]
-    r = subprocess.run(argv, cwd=ROOT, env=job_env() | s3.env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout
-
-
-def test_s3_input_and_output_match_local_paths_and_resume(ray_local, model_dirs, s3, tmp_path):
-    """The same JSONL and Parquet files, from a local folder and from S3, to a local folder and to
-    S3: the same rows. Then shards deleted from S3 (as if the job had been killed before writing
-    them) and a torn temporary added: a re-run writes exactly the missing rows."""
-    from openai_api.served_model import served_model_name
-
+def test_s3_input_and_output_match_local_paths_and_resume(model_dirs, s3, mixed_files, mixed_run):
+    """The same JSONL and Parquet files, from a local folder to local Parquet shards (mixed_run)
+    and from S3 to JSONL shards on S3: the same rows. Then shards deleted from S3 (as if the job
+    had been killed before writing them) and a torn temporary added: a re-run writes exactly the
+    missing rows."""
     model = model_dirs["llama"]
-    bad = [{"id": "other-model", "prompt": "hi", "model": "gpt-4o"}, {"id": "too-long", "prompt": "x" * 1100}]
-    good = good_rows(served_model_name(model))
-    parquet_rows = [r | {"id": str(r["id"])} for r in good[1::3]]  # one Parquet column, one type
-    keys = sorted({k for r in parquet_rows for k in r})
-    sink = pa.BufferOutputStream()
-    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in parquet_rows]), sink)
-    files = {"a.jsonl": "\n".join([json.dumps(good[0]), "{not json"] + [json.dumps(r) for r in good[2::3] + bad]),
-             "sub/b.jsonl": "\n".join(json.dumps(r) for r in good[3::3]) + "\n",
-             "c.parquet": sink.getvalue().to_pybytes()}
-    bucket, folder = s3.bucket(), tmp_path / "in"
-    for name, data in files.items():
-        data = data.encode() if isinstance(data, str) else data
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_bytes(data)
+    bucket = s3.bucket()
+    for name, data in mixed_files.items():
         s3.put(bucket, f"in/{name}", data)
-
-    run_job(folder, tmp_path / "out", model, "jsonl")
-    local = read_results(tmp_path / "out")
-    stdout = s3_job(s3, "--input", f"s3://{bucket}/in", "--output", f"s3://{bucket}/out", "--model", model,
-                    "--output-format", "parquet")
+    folder, out = mixed_run
+    local = read_results(out)
+    summary = run_job(s3.uri(bucket, "in"), s3.uri(bucket, "out"), model, "jsonl", engines=1)
     remote = s3.results(bucket, "out/")
 
     def same(rows: dict[str, dict], folder: str) -> dict[str, dict]:
@@ -568,20 +628,21 @@ def test_s3_input_and_output_match_local_paths_and_resume(ray_local, model_dirs,
         return {rid.removeprefix(folder): {k: v for k, v in r.items() if k not in ("id", "cached_tokens")}
                 for rid, r in rows.items()}
 
-    assert len(local) == len(good) + len(bad) + 1
+    errors = 3  # a line that is not JSON, a bad row in each format
+    assert len(local) == len(good_rows("")) + errors
     assert same(remote, f"{bucket}/in/") == same(local, f"{folder}/")
-    assert summary_counts(stdout) == (len(remote), len(bad) + 1, 0)
+    assert (summary.rows, summary.errors, summary.skipped) == (len(remote), errors, 0)
 
     shards = [k for k in s3.keys(bucket, "out/") if k.startswith("out/part-")]
     gone, kept = shards[::2], shards[1::2]
     lost = [r for key in gone for r in shard_rows(key, s3.read(bucket, key))]
     for key in gone:
         s3.client.delete_object(Bucket=bucket, Key=key)
-    torn = "out/.part-0123456789abcdef0123.parquet.tmp"
-    s3.put(bucket, torn, b"PAR1 torn")
-    stdout = s3_job(s3, "--input", f"s3://{bucket}/in/", "--output", f"s3://{bucket}/out/", "--model", model,
-                    "--output-format", "parquet")
-    assert summary_counts(stdout) == (len(lost), sum("error" in r for r in lost), len(remote) - len(lost))
+    torn = "out/.part-0123456789abcdef0123.jsonl.tmp"
+    s3.put(bucket, torn, b'{"id": "g1", "text": "x"}\n{"id": "g2", "te')
+    summary = run_job(s3.uri(bucket, "in/"), s3.uri(bucket, "out/"), model, "jsonl", engines=1)
+    assert (summary.rows, summary.errors, summary.skipped) == (len(lost), sum("error" in r for r in lost),
+                                                               len(remote) - len(lost))
     assert same(s3.results(bucket, "out/"), "") == same(remote, "")
     assert s3.keys(bucket, "out/.") == []  # the torn temporary is gone
     written = s3.written(bucket, "out/")
