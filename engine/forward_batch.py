@@ -127,6 +127,8 @@ class ForwardBatch:
     def init_new(cls, batch: ScheduleBatch, device: torch.device) -> ForwardBatch:
         mode = batch.forward_mode
         require_supported(mode)
+        if mode.is_prebuilt():  # its KV arrived from a prefill engine: the scheduler runs no forward
+            raise ValueError("a PREBUILT batch has no forward")
         fb = cls(
             forward_mode=mode,
             batch_size=len(batch.reqs),

@@ -163,7 +163,10 @@ def test_forward_modes(stories):
     batch = ScheduleBatch([], s.cache, s.device)
     batch.prepare_for_idle()
     assert stories.model_runner.forward(__import__("engine").ForwardBatch.init_new(batch, s.device)) is None
-    for mode in (ForwardMode.PREBUILT, ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND):
+    batch.forward_mode = ForwardMode.PREBUILT
+    with pytest.raises(ValueError, match="PREBUILT batch has no forward"):
+        __import__("engine").ForwardBatch.init_new(batch, s.device)
+    for mode in (ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND):
         batch.forward_mode = mode
         with pytest.raises(NotImplementedError, match=mode.name):
             __import__("engine").ForwardBatch.init_new(batch, s.device)

@@ -359,11 +359,14 @@ def test_duplicate_ids_run_once_and_later_rows_become_errors(ray_local, model_di
 # ---- the job as a process: memory, kill and resume ------------------------------------------------
 # A driver process of its own that runs jobs (JSON lists of `python -m cluster batch` arguments)
 # one after another: after each, its summary line and the process's peak RSS so far, in KiB.
-DRIVER = ("import json, resource, sys\n"
+# VmHWM, not ru_maxrss: Linux carries the parent's high-water mark into ru_maxrss across the
+# (v)fork and exec that start the driver, so ru_maxrss would report the pytest process's peak.
+DRIVER = ("import json, re, sys\n"
           "from cluster.batch import main\n"
           "for args in json.loads(sys.argv[1]):\n"
           "    assert main(args) == 0\n"
-          "    print('peak_rss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n")
+          "    hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+          "    print('peak_rss_kb', hwm, flush=True)\n")
 
 
 def write_short_rows(folder: Path, n: int, files: int = 4) -> None:
