@@ -65,7 +65,7 @@ class SharedClusters:
 
     def settle_used(self) -> None:
         used, self.used = self.used, []
-        for key in dict.fromkeys(used):
+        for key in dict.fromkeys(k for k in used if k in self.live):
             try:
                 settle(self.live[key])
             except BaseException:

@@ -12,6 +12,23 @@ import ray
 from cluster.cluster import ACTOR_NAMESPACE
 from tests.conftest import ROOT
 
+API_KEY = "sk-test-radixray"  # the shared stories app's key (tests/serve/conftest.py)
+
+# A Qwen-style chat template that renders tools and tool turns (the shared tiny app's model):
+# without tools it renders plain messages as the built-in models' template does.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
+    "{% for c in m['tool_calls'] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>\n'
+    "{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 class Console:
     """A process whose merged stdout/stderr is collected line by line on a thread."""

@@ -202,15 +202,17 @@ def test_a_rolling_update_under_load_loses_no_request(fleet, model_dirs):
     clients = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     for t in clients:
         t.start()
-    time.sleep(2)
-    serve.run(build_app({"model_path": model_dirs["stories"], "num_engines": 2, "frontends": 2,
-                         "routing": "kv_events", "engine": {"max_running_requests": 3}}),
-              name="fleet", route_prefix="/fleet")
-    wait_for_engines(base, 2)
-    time.sleep(2)
-    stop.set()
-    for t in clients:
-        t.join(timeout=300)
+    try:
+        time.sleep(2)
+        serve.run(build_app({"model_path": model_dirs["stories"], "num_engines": 2, "frontends": 2,
+                             "routing": "kv_events", "engine": {"max_running_requests": 3}}),
+                  name="fleet", route_prefix="/fleet")
+        wait_for_engines(base, 2)
+        time.sleep(2)
+    finally:  # the clients stop whatever happened (a failure leaves none running)
+        stop.set()
+        for t in clients:
+            t.join(timeout=300)
     assert not failures, failures
     new = engines_of(base)
     assert not old & {e._actor_id for e in new}, "an engine was not replaced"
@@ -239,18 +241,23 @@ def test_burst_scales_up_and_a_steady_stream_survives_the_drain_back_down(autosc
 
     stop_burst, stop_steady = threading.Event(), threading.Event()
     burst = [threading.Thread(target=client, args=(stop_burst, 96)) for _ in range(8)]
+    steady = threading.Thread(target=client, args=(stop_steady, 24))
     for t in burst:
         t.start()
-    wait_for_engines(base, 2, timeout_s=240)  # the queue behind 2 rows made the fleet grow
-    drains = metric(base, 'radixray_fleet_events_total{event="drains",')
-    steady = threading.Thread(target=client, args=(stop_steady, 24))
-    steady.start()
-    stop_burst.set()
-    for t in burst:
-        t.join(timeout=300)
-    wait_for_engines(base, 1, timeout_s=240)  # light load: back down, draining one engine
-    stop_steady.set()
-    steady.join(timeout=300)
+    try:
+        wait_for_engines(base, 2, timeout_s=240)  # the queue behind 2 rows made the fleet grow
+        drains = metric(base, 'radixray_fleet_events_total{event="drains",')
+        steady.start()
+        stop_burst.set()
+        for t in burst:
+            t.join(timeout=300)
+        wait_for_engines(base, 1, timeout_s=240)  # light load: back down, draining one engine
+    finally:  # the clients stop whatever happened (a failure leaves none running)
+        stop_burst.set()
+        stop_steady.set()
+        for t in [*burst, steady]:
+            if t.is_alive():
+                t.join(timeout=300)
     assert metric(base, 'radixray_fleet_events_total{event="drains",') >= drains + 1
     assert not failures, failures
     ray.get([e.check_memory.remote() for e in engines_of(base)], timeout=120)

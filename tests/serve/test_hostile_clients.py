@@ -1,7 +1,8 @@
 """An adversarial user against real Ray Serve over real HTTP: sampler-hostile values, overflowing
 integers, deep nesting, malformed chat, unknown routes, fuzzed bodies, abort storms, streams that
 disconnect, slow clients, and a stream whose engine dies after the 200. After each, the engines
-still serve and their idle invariant holds. Runs on a random-weight model (no ../shared)."""
+still serve and their idle invariant holds. Runs on the shared "tiny" and "slow" apps
+(tests/serve/conftest.py: random-weight models, no ../shared)."""
 
 from __future__ import annotations
 
@@ -19,24 +20,19 @@ from hypothesis import strategies as st
 
 from actors.stats import EngineActorStats
 from cluster.cluster import ACTOR_NAMESPACE
-from deploy.app import build_app
 from engine.engine import EngineStats
 from engine.limits import DEFAULT_LIMITS
+from openai_api.protocol import MAX_N
+from tests.serve.helpers import engines_of
 
 pytestmark = pytest.mark.serve
 LONG = 1000  # max_tokens of a request meant to be cut short (the model's context is 1024)
 
 
 @pytest.fixture(scope="module")
-def app(serve_base, model_dirs):
-    from ray import serve
-
-    serve.run(build_app({"model_path": model_dirs["llama"], "num_engines": 2, "served_model_name": "tiny"}),
-              name="hostile", route_prefix="/hostile")
-    base = serve_base + "/hostile"
-    names = httpx.get(f"{base}/health").json()["engine_actors"]
-    yield base, [ray.get_actor(n, namespace=ACTOR_NAMESPACE) for n in names]
-    serve.delete("hostile")
+def app(tiny_app):
+    """The shared tiny app and its engines (a test that replaces them updates the list)."""
+    return tiny_app, engines_of(tiny_app)
 
 
 def engine_stats(engines) -> list[EngineActorStats]:
@@ -149,28 +145,37 @@ def test_unknown_routes_and_methods_use_the_openai_shape(app):
 
 # ---- fuzzing: never a 5xx, never a hang ------------------------------------------------------
 json_leaf = (st.none() | st.booleans() | st.integers() | st.integers(2**63 - 2, 2**70) | st.integers(-2**70, -2**63)
-             | st.floats() | st.text(max_size=12) | st.sampled_from(["user", "system", "assistant", "text", "tiny"]))
+             | st.floats() | st.text(max_size=20) | st.sampled_from(["user", "system", "assistant", "text", "tiny"]))
 json_values = st.recursive(json_leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(
-    st.sampled_from(["role", "content", "type", "text", "include_usage", "x"]) | st.text(max_size=6), c,
+    st.sampled_from(["role", "content", "type", "text", "include_usage", "x"]) | st.text(max_size=8), c,
     max_size=4), max_leaves=10)
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
           "seed", "stop", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "model", "ignore_eos", "user", "echo",
           "skip_special_tokens", "unknown_field"]
+# A valid value of these runs as at most this (the property is about what the server accepts, not
+# about long generations); a value past the valid range stays as drawn (a 400).
+COSTLY = {"n": (2, MAX_N), "max_tokens": (8, 1024), "max_completion_tokens": (8, 1024)}
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=7), chat=st.booleans(),
-       short=st.booleans())
-def test_fuzzed_bodies_never_5xx(app, body, chat, short):
+       fill=st.booleans(), short=st.booleans())
+def test_fuzzed_bodies_never_5xx(app, body, chat, fill, short):
+    """Any JSON body (NaN and Infinity tokens too, which are not JSON), with or without its prompt
+    or messages, gets a response below 500 in the OpenAI error shape, and a stream ends."""
     base, _ = app
+    for field, (cap, largest_valid) in COSTLY.items():
+        value = body.get(field)
+        if type(value) is int and cap < value <= largest_valid:
+            body[field] = cap
     if short and "max_tokens" not in body:
         body["max_tokens"] = 3
-    if chat and "messages" not in body:
+    if fill and chat and "messages" not in body:
         body["messages"] = [{"role": "user", "content": "hi"}]
-    elif not chat and "prompt" not in body:
+    elif fill and not chat and "prompt" not in body:
         body["prompt"] = "hi"
-    raw = json.dumps(body)  # NaN and Infinity tokens too (not JSON: a 400)
+    raw = json.dumps(body)
     r = httpx.post(f"{base}/v1/{'chat/' if chat else ''}completions", content=raw,
                    headers={"content-type": "application/json"}, timeout=120)
     assert r.status_code < 500, (r.status_code, r.text[:300], raw[:300])
@@ -240,28 +245,12 @@ def test_abort_storm_of_client_timeouts(app):
     assert_healthy_and_clean(base, engines)
 
 
-@pytest.fixture(scope="module")
-def slow_app(app, serve_base):
-    """One engine on the bench's 50M-parameter model: a 1000-token request takes many seconds, so
-    a stream that leaves early cannot have finished on its own (the tiny model could)."""
-    from ray import serve
-
-    from engine.bench import bench_model_path
-
-    serve.run(build_app({"model_path": bench_model_path(), "num_engines": 1, "torch_threads_per_engine": 1}),
-              name="hostile-slow", route_prefix="/hostile-slow")
-    base = serve_base + "/hostile-slow"
-    names = httpx.get(f"{base}/health").json()["engine_actors"]
-    yield base, [ray.get_actor(n, namespace=ACTOR_NAMESPACE) for n in names]
-    serve.delete("hostile-slow")
-
-
 def test_streams_that_disconnect_under_load(slow_app):
     """12 streams that leave after two SSE lines (text or keep-alive) while 4 others keep going:
     each of the 12 is aborted on the engine, and the engine is idle within seconds."""
     import aiohttp
 
-    base, engines = slow_app
+    base, engines = slow_app, engines_of(slow_app)
     before = engine_stats(engines)
 
     async def stream(session: aiohttp.ClientSession, i: int, leave: bool) -> str | None:
@@ -296,15 +285,29 @@ def test_streams_that_disconnect_under_load(slow_app):
     assert_healthy_and_clean(base, engines)
 
 
+def test_no_engine_gives_503(slow_app):
+    """Its engine gone for good, an app answers 503 (no_engine) at once. The slow app's last test:
+    it is deleted after it."""
+    base = slow_app
+    ray.kill(engines_of(base)[0], no_restart=True)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{base}/health").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert httpx.get(f"{base}/health").status_code == 503
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine"
+
+
 # ---- slow clients ---------------------------------------------------------------------------
 def test_dribbling_connections_are_cut(app, serve_base):
     """The session's proxy runs deploy/http_guard with a 2 s header and 3 s body timeout."""
     port = int(serve_base.rsplit(":", 1)[1])
+    path = app[0].removeprefix(serve_base).encode() + b"/v1/completions"
     conns = []
     for i in range(20):
         s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(b"POST /hostile/v1/completions HTTP/1.1\r\nhost: x\r\n" if i % 2 else
-                  b"POST /hostile/v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 500\r\n\r\n{\"pro")
+        s.sendall(b"POST " + path + b" HTTP/1.1\r\nhost: x\r\n" if i % 2 else
+                  b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-length: 500\r\n\r\n{\"pro")
         conns.append(s)
     t0 = time.monotonic()
     for s in conns:
@@ -475,7 +478,7 @@ def test_oversized_requests_are_refused_at_once_while_another_client_streams(app
     with httpx.Client(timeout=60) as c:
         for _ in range(2):
             normal(c)  # warm
-        rss_before = frontend_rss("hostile")
+        rss_before = frontend_rss("tiny")
         thread = threading.Thread(target=streamer, daemon=True)
         thread.start()
         time.sleep(1.0)
@@ -486,7 +489,7 @@ def test_oversized_requests_are_refused_at_once_while_another_client_streams(app
         def watch_rss() -> None:
             while not stop.is_set():
                 phase = "eight at once" if eight_at_once.is_set() else "one at a time"
-                peak[phase] = max(peak[phase], frontend_rss("hostile"))
+                peak[phase] = max(peak[phase], frontend_rss("tiny"))
                 time.sleep(0.05)
 
         watcher = threading.Thread(target=watch_rss, daemon=True)

@@ -1,39 +1,27 @@
-"""The OpenAI-compatible app on real Ray Serve, over real HTTP (openai client, curl, aiohttp)."""
+"""The OpenAI-compatible app on real Ray Serve, over real HTTP (openai client, curl, aiohttp), on
+the shared "stories" app (stories260K behind an API key) and "slow" app (tests/serve/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import subprocess
-import time
 
 import httpx
 import openai
 import pytest
 import ray
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from cluster.cluster import ACTOR_NAMESPACE
-from deploy.app import build_app
 from engine.engine import EngineStats
+from tests.serve.helpers import API_KEY, engines_of
 
 pytestmark = pytest.mark.serve
-KEY = "sk-test-radixray"
+KEY = API_KEY
 
 
 @pytest.fixture(scope="module")
-def server(serve_base, model_dirs):
-    from ray import serve
-
-    # A small KV pool and few rows, so the load test's requests queue.
-    serve.run(build_app({"model_path": model_dirs["stories"], "num_engines": 2, "api_key": KEY,
-                         "max_body_bytes": 65536, "engine": {"max_total_tokens": 700, "max_running_requests": 48}}),
-              name="main", route_prefix="/")
-    base = serve_base
-    engines = httpx.get(f"{base}/health").json()["engine_actors"]
-    yield base, [ray.get_actor(n, namespace=ACTOR_NAMESPACE) for n in engines]
-    serve.delete("main")
+def server(stories_app):
+    return stories_app, engines_of(stories_app)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +102,14 @@ def test_error_statuses(server, body, status, param):
     assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
     if param:
         assert err["error"]["param"] == param
+
+
+def test_tools_without_a_tool_call_parser_get_400(server):
+    """An app started without --tool-call-parser refuses tools (tool_choice "auto"), naming tool_choice."""
+    code, err = curl(f"{server[0]}/v1/chat/completions", *AUTH, "-d", json.dumps({
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+        "tools": [{"type": "function", "function": {"name": "f"}}]}))
+    assert code == 400 and err["error"]["param"] == "tool_choice", err
 
 
 def test_auth_and_size_limits(server):
@@ -205,25 +201,9 @@ def test_load_256_concurrent_streams(server):
     assert polls and all(len(p) == len(stats) for p in polls)
 
 
-@pytest.fixture(scope="module")
-def lonely(server):
-    """A second app: one engine on the bench's 50M-parameter model, slow enough that a
-    2000-token request is still running when its client goes away (on the tiny built-in model
-    it could finish before a loaded machine delivered the disconnect)."""
-    from ray import serve
-
-    from engine.bench import bench_model_path
-
-    serve.run(build_app({"num_engines": 1, "model_path": bench_model_path(), "torch_threads_per_engine": 1}),
-              name="lonely", route_prefix="/lonely")
-    base = server[0] + "/lonely"
-    names = httpx.get(f"{base}/health").json()["engine_actors"]
-    yield base, [ray.get_actor(n, namespace=ACTOR_NAMESPACE) for n in names]
-    serve.delete("lonely")
-
-
-def test_client_disconnect_aborts(lonely):
-    base, engines = lonely
+def test_client_disconnect_aborts(slow_app):
+    """On the slow app: a 2000-token request is still running when its client goes away."""
+    base, engines = slow_app, engines_of(slow_app)
     before = engines_idle_and_clean(engines)
     body = {"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as c:
@@ -237,35 +217,3 @@ def test_client_disconnect_aborts(lonely):
     generated = sum(s.generated_tokens for s in after) - sum(s.generated_tokens for s in before)
     assert aborted == 1 and generated < 2000, f"the disconnect did not abort the request ({aborted}, {generated})"
     assert all(s.kv_used == 0 and s.running == 0 for s in after)
-
-
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
-                           | st.text(max_size=20), lambda c: st.lists(c, max_size=4) | st.dictionaries(
-                               st.text(max_size=8), c, max_size=4), max_leaves=8)
-fields = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n",
-          "stream", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "model", "stream_options",
-          "ignore_eos", "max_completion_tokens", "user", "echo"]
-bodies = st.dictionaries(st.sampled_from(fields), json_values, max_size=6)
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=bodies, chat=st.booleans(), small=st.booleans())
-def test_fuzzed_bodies_never_500(server, body, chat, small):
-    if small and "max_tokens" not in body:
-        body["max_tokens"] = 2
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    r = httpx.post(server[0] + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-    assert r.status_code < 500, (r.status_code, r.text[:300])
-    if r.status_code >= 400:
-        assert "message" in r.json()["error"]
-
-
-def test_no_engine_gives_503(lonely):
-    base, engines = lonely
-    ray.kill(engines[0], no_restart=True)
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{base}/health").status_code != 503 and time.monotonic() < deadline:
-        time.sleep(0.3)
-    assert httpx.get(f"{base}/health").status_code == 503
-    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine"

@@ -1,53 +1,65 @@
 """More of the OpenAI surface over real Ray Serve with the `openai` client: n > 1 sharing one
 prefill, logit_bias, min_tokens, continuous usage stats, /tokenize and /detokenize, and a 400
-naming the parameter for each bad value. Runs on a random-weight model (no ../shared)."""
+naming the parameter for each bad value. Runs on the shared "tiny" app (tests/serve/conftest.py: a
+random-weight model, no ../shared)."""
 
 from __future__ import annotations
+
+import uuid
 
 import httpx
 import openai
 import pytest
 import ray
 
-from cluster.cluster import ACTOR_NAMESPACE
-from deploy.app import build_app
+from actors.protocol import decode_kv_snapshot
+from engine.token_trie import common_prefix_len
+from tests.serve.helpers import engines_of
 
 pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
-def surface(serve_base, model_dirs):
-    from ray import serve
-
-    serve.run(build_app({"model_path": model_dirs["llama"], "num_engines": 1, "served_model_name": "tiny"}),
-              name="surface", route_prefix="/surface")
-    base = serve_base + "/surface"
-    names = httpx.get(f"{base}/health").json()["engine_actors"]
-    yield base, ray.get_actor(names[0], namespace=ACTOR_NAMESPACE)
-    serve.delete("surface")
+def surface(tiny_app):
+    return tiny_app
 
 
 @pytest.fixture(scope="module")
 def client(surface):
-    return openai.OpenAI(base_url=surface[0] + "/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=surface + "/v1", api_key="none", max_retries=0)
 
 
 PROMPT = "the quick brown fox jumps over the lazy dog, again and again"
 
 
+def cached_prefix(engine, ids: list[int]) -> int:
+    """How many leading tokens of ids the engine's radix cache holds now."""
+    snapshot = decode_kv_snapshot(ray.get(engine.kv_snapshot.remote()))
+    return max((common_prefix_len(path, ids) for path in snapshot.paths), default=0)
+
+
 def test_n_choices_share_one_prefill(client, surface):
-    engine = surface[1]
-    before = ray.get(engine.stats.remote()).engine
-    out = client.completions.create(model="tiny", prompt=PROMPT, n=4, max_tokens=8, temperature=0.8, seed=7)
+    engines = engines_of(surface)
+    prompt = f"{uuid.uuid4().hex} {PROMPT}"  # new to the shared app's caches
+    ids = httpx.post(f"{surface}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    held = [cached_prefix(e, ids) for e in engines]  # what earlier tests left (the BOS token, say)
+    before = [s.engine for s in ray.get([e.stats.remote() for e in engines])]
+    out = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=8, temperature=0.8, seed=7)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert len({c.text for c in out.choices}) > 1  # each choice has its own seed stream
-    after = ray.get(engine.stats.remote()).engine
+    after = [s.engine for s in ray.get([e.stats.remote() for e in engines])]
     prompt_len = out.usage.prompt_tokens
-    assert after.prompt_tokens - before.prompt_tokens == 4 * prompt_len
-    # The prompt is computed once: the other three find all but its last token in the cache.
-    assert after.cached_tokens - before.cached_tokens == 3 * (prompt_len - 1)
+    assert prompt_len == len(ids)
+    # All four choices went to one engine (the one whose cache the first choice fills).
+    received = [a.num_received - b.num_received for a, b in zip(after, before)]
+    assert sorted(received) == [0] * (len(engines) - 1) + [4], received
+    e = received.index(4)
+    assert after[e].prompt_tokens - before[e].prompt_tokens == 4 * prompt_len
+    # The prompt is computed once: the first choice finds what the cache held before, the other
+    # three find all but its last token.
+    assert after[e].cached_tokens - before[e].cached_tokens == min(held[e], prompt_len - 1) + 3 * (prompt_len - 1)
     assert out.usage.completion_tokens == 32 and out.usage.prompt_tokens_details.cached_tokens == prompt_len - 1
-    again = client.completions.create(model="tiny", prompt=PROMPT, n=4, max_tokens=8, temperature=0.8, seed=7)
+    again = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=8, temperature=0.8, seed=7)
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
 
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3,
@@ -90,7 +102,7 @@ def test_continuous_usage_stats(client):
 
 
 def test_tokenize_detokenize_round_trip(surface):
-    base = surface[0]
+    base = surface
     tok = httpx.post(f"{base}/tokenize", json={"prompt": "hello there"}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] > 0
     assert httpx.post(f"{base}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"].endswith("hello there")
@@ -106,13 +118,11 @@ def test_tokenize_detokenize_round_trip(surface):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [  # no --tool-call-parser
-        {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2, "prompt_logprobs": 30}, "prompt_logprobs"),
     ("/tokenize", {}, "prompt"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
 ])
 def test_bad_values_get_400_naming_the_parameter(surface, path, body, param):
-    r = httpx.post(surface[0] + path, json=body, timeout=60)
+    r = httpx.post(surface + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()

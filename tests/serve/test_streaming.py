@@ -15,8 +15,8 @@ import pytest
 
 from cluster import Cluster, ClusterConfig
 from cluster.channels import Channels
-from deploy.app import build_app
 from engine import SamplingParams, StreamDelta
+from tests.serve.helpers import API_KEY
 
 pytestmark = pytest.mark.serve
 
@@ -113,21 +113,19 @@ def test_zero_interval_sends_every_delta():
 
 # ---- over HTTP ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def coalescing(serve_base, model_dirs):
-    """One engine, the longest stream interval (1 s): every stream's tokens after its first are
-    merged into few events."""
-    from ray import serve
+def coalescing(stories_app):
+    """The shared stories app: the longest stream interval (1 s), so every stream's tokens after
+    its first are merged into few events."""
+    return stories_app
 
-    serve.run(build_app({"model_path": model_dirs["stories"], "num_engines": 1, "stream_interval_s": 1.0}),
-              name="coalescing", route_prefix="/coalescing")
-    yield f"{serve_base}/coalescing"
-    serve.delete("coalescing")
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def _events(url: str, body: dict) -> tuple[list[bytes], float]:
     """The raw SSE events of one streamed request, and how long it took."""
     t0 = time.monotonic()
-    with httpx.Client(timeout=120) as c, c.stream("POST", url, json={**body, "stream": True}) as r:
+    with httpx.Client(timeout=120, headers=AUTH) as c, c.stream("POST", url, json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
         raw = b"".join(r.iter_bytes())
     return [e for e in raw.split(b"\n\n") if e], time.monotonic() - t0
@@ -151,7 +149,7 @@ def test_events_carry_several_tokens_and_the_first_goes_alone(coalescing):
     assert max(counts) > 1 and len(chunks) < 48, f"no tokens were coalesced: {counts}"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     full = httpx.post(f"{coalescing}/v1/completions", json={k: v for k, v in body.items() if k != "stream_options"},
-                      timeout=120).json()
+                      headers=AUTH, timeout=120).json()
     assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
 
 
@@ -162,7 +160,7 @@ def test_chat_stream_coalesced_equals_nonstream(coalescing):
     chunks = _chunks(events)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    full = httpx.post(f"{coalescing}/v1/chat/completions", json=body, timeout=120).json()
+    full = httpx.post(f"{coalescing}/v1/chat/completions", json=body, headers=AUTH, timeout=120).json()
     assert text == full["choices"][0]["message"]["content"]
     assert len(chunks) < 40 and events[-1] == b"data: [DONE]"
 

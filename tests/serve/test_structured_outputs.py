@@ -1,5 +1,5 @@
-"""Structured outputs over real Ray Serve with the `openai` client, on a random-weight model with
-overlap scheduling on: response_format (json_schema, json_object) on both endpoints, SGLang's
+"""Structured outputs over real Ray Serve with the `openai` client, on the shared "tiny" app (a
+random-weight model with overlap scheduling on, tests/serve/conftest.py): response_format (json_schema, json_object) on both endpoints, SGLang's
 regex and ebnf fields, streamed and not, and a 400 naming the parameter for what does not compile."""
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
-from deploy.app import build_app
 
 pytestmark = pytest.mark.serve
 
@@ -34,13 +32,8 @@ MESSAGES = [{"role": "user", "content": "Describe a place as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def base(serve_base, model_dirs):
-    from ray import serve
-
-    serve.run(build_app({"model_path": model_dirs["llama"], "num_engines": 1, "served_model_name": "tiny",
-                         "enable_overlap": True}), name="structured", route_prefix="/structured")
-    yield serve_base + "/structured"
-    serve.delete("structured")
+def base(tiny_app):
+    return tiny_app
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """Tool calling, echo and prompt logprobs over real Ray Serve with the `openai` client, on a
-random-weight model whose chat template renders tools (Qwen-style) and tool turns.
+random-weight model whose chat template renders tools (Qwen-style) and tool turns: the shared
+"tiny" app of tests/serve/conftest.py (hermes parser, overlap scheduling); the second parser
+(llama3_json) is the shared "slow" app's (the bench's random-weight model, its plain template).
 
 A random model rarely writes a tool call on its own: tool_choice "required" and named are
 constrained (always valid), and "auto" is driven to a call with SGLang's `regex` field so each
@@ -8,30 +10,14 @@ parser is exercised end to end; the parsers on plain text are tests/cluster/test
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from deploy.app import build_app
-
 pytestmark = pytest.mark.serve
 
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "</tools><|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n"
-    "{% for c in m['tool_calls'] %}<tool_call>\n"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>\n'
-    "{% endfor %}<|im_end|>\n"
-    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 WEATHER_PARAMS = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
     "required": ["city", "unit"], "additionalProperties": False}
@@ -52,31 +38,9 @@ def literal(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tools_model(model_dirs, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tools") / "model")
-    shutil.copytree(model_dirs["llama"], path)
-    cfg_path = os.path.join(path, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    with open(cfg_path, "w") as f:
-        json.dump({**cfg, "chat_template": TOOLS_TEMPLATE}, f)
-    return path
-
-
-@pytest.fixture(scope="module")
-def apps(serve_base, tools_model):
-    """One app per parser; the hermes one also runs with overlap scheduling."""
-    from ray import serve
-
-    bases = {}
-    for parser, extra in (("hermes", {"enable_overlap": True}), ("llama3_json", {})):
-        name = f"tools-{parser}"
-        serve.run(build_app({"model_path": tools_model, "num_engines": 1, "served_model_name": "tiny",
-                             "tool_call_parser": parser, **extra}), name=name, route_prefix=f"/{name}")
-        bases[parser] = f"{serve_base}/{name}"
-    yield bases
-    for parser in bases:
-        serve.delete(f"tools-{parser}")
+def apps(tiny_app, slow_app):
+    """The shared app of each parser."""
+    return {"hermes": tiny_app, "llama3_json": slow_app}
 
 
 def client_for(base: str) -> openai.OpenAI:
@@ -84,8 +48,8 @@ def client_for(base: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def client(apps):
-    return client_for(apps["hermes"])
+def client(tiny_app):
+    return client_for(tiny_app)
 
 
 def gather_calls(chunks) -> tuple[dict[int, dict], str, str | None]:
@@ -149,7 +113,7 @@ def test_calls_cut_by_max_tokens(client):
     assert all(c["name"] in PARAMS for c in calls.values())
 
 
-def test_round_trip_through_the_template(client, apps):
+def test_round_trip_through_the_template(client, tiny_app):
     """A call, its result sent back as a tool message, and the answer; the template renders the
     tools, the assistant's call (content null) and the tool turn."""
     first = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=300,
@@ -163,7 +127,7 @@ def test_round_trip_through_the_template(client, apps):
     answer = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
                                             max_tokens=8, temperature=0)
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content is not None
-    base = apps["hermes"]
+    base = tiny_app
     ids = httpx.post(f"{base}/tokenize", json={"messages": history, "tools": TOOLS}, timeout=60).json()["tokens"]
     rendered = httpx.post(f"{base}/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
     assert json.dumps(TOOLS[0]) in rendered  # the tools, as transformers' tojson writes them
@@ -267,8 +231,8 @@ def test_prompt_logprobs(client):
     ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
 ])
-def test_bad_values_get_400_naming_the_parameter(apps, body, param):
-    r = httpx.post(apps["hermes"] + "/v1/chat/completions",
+def test_bad_values_get_400_naming_the_parameter(tiny_app, body, param):
+    r = httpx.post(tiny_app + "/v1/chat/completions",
                    json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
