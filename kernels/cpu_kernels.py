@@ -20,7 +20,7 @@ FMAs), bfloat16 results are rounded where torch rounds them.
 
 The C++ lives in kernels/csrc/ (attention.cpp, gemm.cpp, rowwise.cpp, bindings.cpp, common.h).
 Built with torch.utils.cpp_extension (g++ and ninja needed) into a folder keyed by the sources,
-flags, torch version and CPU; `load()` returns None when that is not possible and callers fall
+their folder, flags, torch version and CPU; `load()` returns None when that is not possible and callers fall
 back to torch. Set RADIXRAY_CPU_KERNELS=0 to disable it."""
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ def source_files(csrc: str | None = None) -> list[str]:
 
 
 def build_digest(csrc: str | None = None) -> str:
-    """The build folder's key: the C++ files (names and contents), flags, torch version and CPU."""
-    h = hashlib.sha256()
+    """The build folder's key: the C++ files (names and contents), the unity file's text, flags,
+    torch version and CPU. The unity file includes the sources by absolute path, so two checkouts
+    (a git worktree) would otherwise share a folder and rewrite its unity file, each rebuilding."""
+    h = hashlib.sha256(unity_text(csrc).encode())
     for path in source_files(csrc):
         with open(path, "rb") as f:
             h.update(f"{os.path.basename(path)}\n".encode() + f.read() + b"\n")

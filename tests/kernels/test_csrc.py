@@ -29,7 +29,10 @@ def test_the_build_key_changes_with_any_source_file(tmp_path, monkeypatch):
     csrc = tmp_path / "csrc"
     shutil.copytree(cpu_kernels.CSRC, csrc)
     here = cpu_kernels.build_digest(str(csrc))
-    assert here == cpu_kernels.build_digest()  # the contents count, not the folder
+    # Another checkout builds in a folder of its own: the unity file names the sources by path, so
+    # a shared folder would have its unity file rewritten, and rebuilt, by each checkout in turn.
+    assert here != cpu_kernels.build_digest()
+    assert str(csrc) in cpu_kernels.unity_text(str(csrc))
     for name in ("attention.cpp", "common.h"):
         path = csrc / name
         text = path.read_text()
