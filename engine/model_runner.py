@@ -195,17 +195,19 @@ class ModelRunner:
         return None if fb.forward_mode.is_idle() else logits
 
     @torch.inference_mode()
-    def forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> PendingSample:
+    def forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool,
+                           partial: frozenset[int] = frozenset()) -> PendingSample:
         """The forward side of overlap scheduling. Decode inputs not sampled yet when the batch
         was built are read here from the future-token buffer (indexed by request row), which
-        the previous forward has written by now: forwards run one after another."""
+        the previous forward has written by now: forwards run one after another. `partial`:
+        rows whose token is discarded (a prompt chunk short of the prompt's end): not sampled."""
         if self.forward_stream is None:
-            return self._forward_and_sample(fb, reqs, from_future)
+            return self._forward_and_sample(fb, reqs, from_future, partial)
         # CUDA: the forward stream waits for work queued before it (KV writes of the previous
         # batch, the scheduler's index writes), then runs without blocking the scheduler.
         self.forward_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.forward_stream):
-            return self._forward_and_sample(fb, reqs, from_future)
+            return self._forward_and_sample(fb, reqs, from_future, partial)
 
     def verify_graph_width(self, bs: int) -> int | None:
         """Positions per request (1 + k) that a verify batch of bs requests is padded to, so that
@@ -224,7 +226,8 @@ class ModelRunner:
             logits = logits[torch.tensor(keep, device=logits.device)]
         return Verified(verify(logits, reqs, drafts))
 
-    def _forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool) -> PendingSample:
+    def _forward_and_sample(self, fb: ForwardBatch, reqs: list, from_future: bool,
+                            partial: frozenset[int]) -> PendingSample:
         if from_future:  # (forward() copies the other host-staged inputs)
             fb.input_ids = self.future_token_ids[fb.req_pool_indices]
         logits = self.forward(fb)
@@ -241,7 +244,7 @@ class ModelRunner:
                 cpu_kernels.masked_argmax_rows(logits, grammar[1], ids, void)
             self.future_token_ids[fb.req_pool_indices] = ids
             return PendingSample(void.tolist(), [None] * n)
-        next_ids, bad, logprobs = sample_on_device(logits, reqs)
+        next_ids, bad, logprobs = sample_on_device(logits, reqs, partial)
         # Device to device: the next decode batch reads its inputs here, not from the host.
         self.future_token_ids[fb.req_pool_indices] = next_ids
         # A void row travels to the host as id -1 (SampleResult's convention): no second copy.

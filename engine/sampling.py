@@ -190,8 +190,10 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         logits[list(banned_early)] = float("-inf")
 
 
-def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, torch.Tensor, list]:
+def sample_on_device(logits: torch.Tensor, reqs: list,
+                     partial: frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Pick one token per row. `reqs` carry `.sampling_params`, `.generator`, ids for penalties.
+    Rows in `partial` (prompt chunks whose token is discarded) take the argmax: no RNG draw.
     Returns (ids, bad, logprobs). The ids and `bad` (a bool per row: its logits or probabilities
     were not finite, so its id is void) stay on the logits' device, with no host sync, so the
     caller decides when to copy them; logprobs, computed only when a request asks, are host
@@ -221,7 +223,7 @@ def sample_on_device(logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, to
     # tokens beside finite ones are fine. One reduction per row, not an isfinite pass over all.
     bad = ~torch.isfinite(logits.amax(dim=-1))
     next_ids = torch.argmax(logits, dim=-1)
-    random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
+    random_rows = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy and i not in partial]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = filtered_probs(logits[rows], [reqs[i].sampling_params for i in random_rows])

@@ -499,13 +499,18 @@ class Scheduler:
         self.last_mode = mode
         # Read now, not on the forward thread: the next step may prepare this batch object again.
         reqs, drafts, from_future = batch.reqs, batch.drafts, batch.input_ids_from_future
+        # Rows of prompt chunks that do not reach their prompt's end: their token is thrown away,
+        # so it must not draw from the request's RNG (a seeded request samples the same tokens
+        # however its prompt was chunked).
+        partial = frozenset(i for i, r in enumerate(reqs) if r.kv_len < r.seqlen) if fb.forward_mode.is_extend() \
+            else frozenset()
 
         def job() -> PendingSample:
             t0 = time.perf_counter()
             if fb.forward_mode.is_target_verify():
                 pending = self.model_runner.forward_and_verify(fb, reqs, drafts)
             else:
-                pending = self.model_runner.forward_and_sample(fb, reqs, from_future)
+                pending = self.model_runner.forward_and_sample(fb, reqs, from_future, partial)
             self.forward_seconds[mode] += time.perf_counter() - t0
             return pending
 

@@ -72,6 +72,19 @@ def test_seeded_sampling_is_reproducible(stories):
     stories.check_memory()
 
 
+def test_seeded_sampling_does_not_depend_on_prompt_chunking(model_dirs, stories):
+    """A prompt computed in chunks draws from its RNG only for the token it keeps: the chunks
+    before the prompt's end sample nothing."""
+    prompt = "Once upon a time there was a little girl named Lily. She loved to play outside in the park."
+    params = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in (5, 6, 7)]
+    ref = [o.token_ids for o in stories.generate(prompt=[prompt] * 3, sampling_params=params)]
+    chunked = Engine(model_path=model_dirs["stories"], chunked_prefill_size=8, disable_radix_cache=True)
+    assert [o.token_ids for o in chunked.generate(prompt=[prompt] * 3, sampling_params=params)] == ref
+    assert chunked.stats().batches_by_mode["EXTEND"] > 3  # the prompts did go in chunks
+    chunked.check_memory()
+    chunked.shutdown()
+
+
 def test_sampling_filters_and_penalties(stories):
     # top_k=1 is greedy; min_p=1.0 keeps only the top token; both must equal greedy.
     greedy = stories.generate(prompt="Once upon a time", sampling_params=SamplingParams(max_new_tokens=12, temperature=0))

@@ -146,11 +146,11 @@ def test_failing_forward_fails_its_batch_and_the_engine_goes_on(model_dirs, mode
     calls = {"n": 0}
     forward_and_sample = eng.model_runner.forward_and_sample
 
-    def flaky(fb, reqs, from_future):
+    def flaky(fb, reqs, from_future, partial=frozenset()):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected forward failure")
-        return forward_and_sample(fb, reqs, from_future)
+        return forward_and_sample(fb, reqs, from_future, partial)
 
     eng.model_runner.forward_and_sample = flaky
     outs = eng.generate(input_ids=PROMPTS, sampling_params=greedy(12))
