@@ -48,7 +48,8 @@ def stream_completion(base: str, body: dict, on_event=None) -> tuple[str, list[d
 
 @contextlib.contextmanager
 def deployed(serve_base: str, name: str, args: dict, engines: int) -> Iterator[str]:
-    """The app `build_app(args)` under /name, once `engines` engines serve it; deleted after."""
+    """The app `build_app(args)` under /name, once `engines` engines serve it; deleted after,
+    without waiting: its replicas stop (each engine drains first) while the next tests run."""
     from ray import serve
 
     serve.run(build_app(args), name=name, route_prefix=f"/{name}")
@@ -57,7 +58,7 @@ def deployed(serve_base: str, name: str, args: dict, engines: int) -> Iterator[s
         wait_for_engines(base, engines)
         yield base
     finally:
-        serve.delete(name)
+        serve.delete(name, _blocking=False)
 
 
 @pytest.fixture(scope="module")
@@ -190,25 +191,34 @@ def test_a_rolling_update_under_load_loses_no_request(fleet, model_dirs):
     base = fleet
     old = {e._actor_id for e in engines_of(base)}
     failures: list[str] = []
+    done: list[int] = []
     stop = threading.Event()
 
     def client(i: int) -> None:
         while not stop.is_set():
             finish, events = stream_completion(base, {"prompt": f"{i} Once upon a time", "max_tokens": 32,
                                                       "temperature": 0, "ignore_eos": True})
+            done.append(i)
             if finish != "length":
                 failures.append(f"{finish}: {[e['error'] for e in events if 'error' in e]}")
+
+    def completed(n: int) -> None:
+        """Until n more requests have ended (a condition, not a sleep)."""
+        target, deadline = len(done) + n, time.monotonic() + 120
+        while len(done) < target:
+            assert time.monotonic() < deadline and not stop.is_set(), (len(done), target, failures)
+            time.sleep(0.05)
 
     clients = [threading.Thread(target=client, args=(i,)) for i in range(3)]
     for t in clients:
         t.start()
     try:
-        time.sleep(2)
+        completed(len(clients))  # every client streams before the update...
         serve.run(build_app({"model_path": model_dirs["stories"], "num_engines": 2, "frontends": 2,
                              "routing": "kv_events", "engine": {"max_running_requests": 3}}),
                   name="fleet", route_prefix="/fleet")
         wait_for_engines(base, 2)
-        time.sleep(2)
+        completed(len(clients))  # ...and after it, on the new engines
     finally:  # the clients stop whatever happened (a failure leaves none running)
         stop.set()
         for t in clients:
@@ -221,8 +231,13 @@ def test_a_rolling_update_under_load_loses_no_request(fleet, model_dirs):
 
 @pytest.fixture(scope="module")
 def autoscaled(serve_base, model_dirs):
+    from ray import serve
+
+    # The fleet app's tests come first in this module and have all run: its replicas stop while
+    # this app starts, instead of idling beside it until the module ends.
+    serve.delete("fleet", _blocking=False)
     args = {"model_path": model_dirs["stories"], "min_engines": 1, "max_engines": 2, "target_waiting_per_engine": 1,
-            "upscale_delay_s": 0.5, "downscale_delay_s": 4, "drain_reroute_after_s": 2, "drain_timeout_s": 60,
+            "upscale_delay_s": 0.5, "downscale_delay_s": 2, "drain_reroute_after_s": 2, "drain_timeout_s": 60,
             "engine": {"max_running_requests": 2}}
     with deployed(serve_base, "autoscaled", args, 1) as base:
         yield base

@@ -5,8 +5,10 @@ the trained stories260K model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import time
 
 import httpx
 import jsonschema
@@ -35,8 +37,8 @@ def dp_base(serve_base, model_dirs):
     try:
         wait_for_engines(base, 2)
         yield base, path
-    finally:
-        serve.delete("fleet-dp")
+    finally:  # without waiting: the gang stops (each engine drains first) while the next tests run
+        serve.delete("fleet-dp", _blocking=False)
 
 
 def test_an_attention_dp_group_is_a_serve_gang(dp_base):
@@ -85,12 +87,24 @@ def test_structured_outputs_on_the_trained_model_under_attention_dp(dp_base):
         assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
 
 
+def asleep(coord, engines: list) -> None:
+    """Until every member has run every wave its coordinator announced and has no request: the
+    group sleeps, so the next request needs a new wave."""
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # the coordinator restarting
+            waves = ray.get(coord.stats.remote()).waves_started
+            stats = ray.get([e.stats.remote() for e in engines])
+            if not any(s.dp.waves < waves or s.engine.running or s.engine.waiting for s in stats):
+                return
+        assert time.monotonic() < deadline, "the group did not go to sleep"
+        time.sleep(0.05)
+
+
 def test_the_group_survives_its_coordinator_restarting(dp_base):
     """Ray restarts the gang's DPCoordinator while a stream runs: the stream ends normally, the
     members check back in, and later requests (each needing a new wave) are answered; none
     waits for the request timeout."""
-    import time
-
     from deploy.engines import ACTOR_NAMESPACE
 
     base, _ = dp_base
@@ -119,7 +133,7 @@ def test_the_group_survives_its_coordinator_restarting(dp_base):
     rest = asyncio.run(asyncio.wait_for(stream_through_the_restart(), 90))
     assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest).replace(" ", "")
     for _ in range(3):  # the group sleeps between these: each needs a wave from the new coordinator
-        time.sleep(1.5)
+        asleep(coord, engines_of(base))
         r = httpx.post(f"{base}/v1/completions", timeout=90,
                        json={"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
         assert r.status_code == 200, r.text
