@@ -10,10 +10,13 @@ import time
 import uuid
 from collections import deque
 from itertools import islice
+from typing import Any
 
+import msgspec
 import ray
 
 from actors.dp_coordinator import DPMember
+from actors.kv_transfer import RayPrefillSource, payload_to_wire
 from actors.protocol import (
     EngineInfo,
     Evictions,
@@ -26,6 +29,7 @@ from actors.protocol import (
 from actors.stats import DPMemberStats, EngineActorStats
 from engine import Engine, EngineConfig, InvalidRequestError, StreamDelta
 from engine.cache_manager import KVEvent
+from engine.disaggregation import KVFetch, KVPoll, LocalKVChannel, submit_prefill
 from engine.engine import EngineStats
 from engine.logs import log_to_stderr
 
@@ -134,13 +138,23 @@ class _KVStream:
 class EngineActor:
     """One engine per GPU (or per group of CPUs). Created by the cluster with ray.remote options."""
 
-    def __init__(self, engine_config: dict, engine_id: int = 0, dp: dict | None = None) -> None:
+    def __init__(self, engine_config: dict, engine_id: int = 0, dp: dict | None = None,
+                 prefill_peers: dict | None = None) -> None:
+        """dp: attention-DP membership (rank, size, coordinator, stall_timeout_s). prefill_peers:
+        a decode engine's prefill engines, {"names": [actor names], "namespace": ...}."""
         log_to_stderr()
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one it replaced
         self.dp: DPMember | None = None  # attention-DP: this engine's membership of its group
         shard = (dp["rank"], dp["size"]) if dp else (0, 1)
-        self.engine = Engine(EngineConfig.from_kwargs(**engine_config), mlp_shard=shard)
+        config = EngineConfig.from_kwargs(**engine_config)
+        self.role = config.disaggregation_mode
+        self.kv_source: RayPrefillSource | None = None  # a decode engine's way to its prefill engines
+        if self.role == "decode":
+            peers = prefill_peers or {}
+            self.kv_source = RayPrefillSource(config.disaggregation_transfer_backend,
+                                              peers.get("namespace", "radixray"), peers.get("names", []))
+        self.engine = Engine(config, mlp_shard=shard, kv_source=self.kv_source)
         # Evicted radix paths, for the routers' cache-aware trees (each reads them by heartbeat()).
         self._evicted = EvictionLog()
         self.engine.scheduler.cache.subscribe(self._on_kv_event)
@@ -156,6 +170,7 @@ class EngineActor:
         self._kv_seq = 0
         self._kv_streams: dict[str, _KVStream] = {}
         self._kv_drop = 0  # fault injection (tests): lose this many events
+        self._prefill_faults: list[str] = []  # fault injection (tests): see debug_fail_prefills
         self._kv_lock = threading.Lock()
         if dp:
             self.dp = DPMember(self.engine, die=self._die, **dp)
@@ -189,7 +204,8 @@ class EngineActor:
                           max_context_len=mr.max_context_len, max_total_tokens=mr.max_total_tokens,
                           device=str(mr.device), node_id=ray.get_runtime_context().get_node_id(),
                           pid=os.getpid(), num_parameters=params, weight_bytes=params * mr.dtype.itemsize,
-                          actor_name=ray.get_runtime_context().get_actor_name() or "")
+                          actor_name=ray.get_runtime_context().get_actor_name() or "",
+                          disaggregation_mode=self.role)
 
     async def generate(self, payload: bytes):
         """Streams msgpack-encoded StreamDeltas; the first token is sent as soon as it exists."""
@@ -252,6 +268,11 @@ class EngineActor:
             return encode(KVSnapshot(self.incarnation, seq, self.engine.scheduler.cache.snapshot(),
                                      self.engine.queued_prompts()))
 
+    def debug_fail_prefills(self, faults: list[str]) -> None:
+        """Fault injection for tests: the next prefill_kv calls, one fault each: "exit" (this
+        actor dies) or "stall" (the call never answers)."""
+        self._prefill_faults.extend(faults)
+
     def debug_drop_kv_events(self, n: int) -> None:
         """Fault injection for tests: the next n KV events are lost (the reader sees a gap)."""
         with self._kv_lock:
@@ -287,11 +308,45 @@ class EngineActor:
             return self.incarnation
         self._consumer_of[req.rid] = consumer
         self._unstreamed.add(req.rid)
+        if self.kv_source is not None and req.prefill_engine:
+            self.kv_source.hint(req.rid, req.prefill_engine)
         try:
             self.engine.submit(req.input_ids, req.sampling_params, sink, rid=req.rid)
         except InvalidRequestError as e:
             sink(_invalid(req.rid, len(req.input_ids), e))
         return self.incarnation
+
+    def set_prefill_peers(self, names: list[str]) -> None:
+        """A decode engine's prefill engines (actor names), when the fleet changes."""
+        if self.kv_source is not None:
+            self.kv_source.set_peers(names)
+
+    async def prefill_kv(self, fetch: bytes, kv_rid: str) -> tuple[bytes, Any]:
+        """A prefill engine's side of one KV transfer (a decode engine's RayPrefillSource calls
+        it): compute the prompt, sample its first token, and return the KV of the tokens the
+        decode engine lacks, with what it needs to go on. Cancelled (the decode side gave up):
+        the request is aborted and its KV freed."""
+        request = msgspec.msgpack.decode(fetch, type=KVFetch)
+        if self._prefill_faults:
+            fault = self._prefill_faults.pop(0)
+            if fault == "exit":
+                self._die(RuntimeError("injected fault: the prefill engine dies"))
+            await asyncio.Event().wait()  # "stall": never answers (until the decode side cancels)
+        loop = asyncio.get_running_loop()
+        ended = asyncio.Event()
+        channel = LocalKVChannel()
+        channel.bootstrap(request.skip)  # the fetch says how much the decode side holds
+        channel.on_change(lambda: loop.call_soon_threadsafe(ended.set))
+        submit_prefill(self.engine, request, channel, kv_rid)
+        try:
+            await ended.wait()
+        finally:
+            if channel.poll() != KVPoll.Success:
+                channel.fail("the decode engine gave up")  # (the prefill, if still queued, sees it)
+                self.engine.abort(kv_rid, "the decode engine gave up")
+        if channel.poll() != KVPoll.Success:
+            raise RuntimeError(channel.failure() or "the prefill failed")
+        return payload_to_wire(channel.take())
 
     def incarnation_id(self) -> str:
         return self.incarnation
@@ -347,7 +402,7 @@ class EngineActor:
                                collective_bytes=loop.comm.collective_bytes, wave_requests=loop.wave_requests,
                                stalled_s=self.dp.stalled_for())
         return EngineActorStats(engine_id=self.engine_id, healthy=self.engine.dead is None,
-                                engine=self.engine.stats(), dp=dp)
+                                engine=self.engine.stats(), dp=dp, role=self.role)
 
     def ready(self) -> bool:
         """For waiters: False while the engine's DP group forms (expected: not an error);

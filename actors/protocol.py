@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine import SamplingParams, StreamDelta
+from engine import PromptLogprob, SamplingParams, StreamDelta
 from engine.cache_manager import KVEvent
 
 
@@ -12,6 +12,7 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
+    prefill_engine: str = ""  # to a decode engine: the prefill engine actor (its name) the front end chose
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -25,6 +26,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     num_parameters: int = 0  # the weights this engine holds (an attention-DP member: its share)
     weight_bytes: int = 0
     actor_name: str = ""  # the engine actor's Ray name (namespace "radixray"), if it has one
+    disaggregation_mode: str = "null"  # its role: "prefill", "decode" or "null" (both)
 
 
 class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):
@@ -56,6 +58,20 @@ class Evictions(msgspec.Struct, frozen=True, array_like=True):
     seq: int
     paths: list[list[int]]
     lost: bool = False
+
+
+class KVPayloadMeta(msgspec.Struct, frozen=True, array_like=True):
+    """A KV transfer's payload (engine.disaggregation.KVPayload) without its KV buffer, which
+    travels beside it as raw bytes (actors/kv_transfer.py)."""
+
+    start: int
+    kv_shape: list[int]
+    kv_dtype: str
+    first_token: int | None
+    first_logprob: tuple | None  # the sampler's logprob row of the first token
+    generator_state: bytes | None
+    prompt_logprobs: list[PromptLogprob | None] | None
+    cached_tokens: int
 
 
 _request_encoder = msgspec.msgpack.Encoder()

@@ -29,5 +29,6 @@ class EngineActorStats(msgspec.Struct, kw_only=True):
     engine_id: int
     healthy: bool
     engine: EngineStats
+    role: str = "null"  # prefill/decode disaggregation: "prefill", "decode"; "null": both
     dp: DPMemberStats | None = None  # attention-DP member only
     dp_group: int | None = None  # attention-DP: index of its group, set by the cluster

@@ -108,7 +108,7 @@ class Cluster:
     # ---- membership ------------------------------------------------------------------------
     def _add_engine(self, actor: Any, info: EngineInfo, name: str) -> int:
         """Under self._lock: route to a new engine and start reading its output (and KV events)."""
-        idx = self.router.add_engine(info.max_total_tokens)
+        idx = self.router.add_engine(info.max_total_tokens, info.disaggregation_mode)
         engine = EngineSlot(actor, info, name)
         if not self.router.exact:  # its evictions count from now, before anything is routed there
             engine.first_beat = actor.heartbeat.remote()
@@ -211,7 +211,7 @@ class Cluster:
                 s = ray.get(ref, timeout=10)
                 s.healthy = s.healthy and healthy[i]  # its loop lives, and heartbeats agree
             except Exception:  # unreachable: zeros, except the pool size we know from its info
-                s = EngineActorStats(engine_id=e.info.engine_id, healthy=False,
+                s = EngineActorStats(engine_id=e.info.engine_id, healthy=False, role=e.info.disaggregation_mode,
                                      engine=EngineStats(kv_total=e.info.max_total_tokens))
             engines.append(s)
         dp_groups: list[DPGroupStats] = []

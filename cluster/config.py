@@ -37,6 +37,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     model_path: str | None = None  # HF checkpoint folder, or a built-in model's name; None: the built-in noise model
     num_engines: int = 1  # engine actors (one per GPU, or one per cpus_per_engine CPUs)
+    # Prefill/decode disaggregation (both or neither; num_engines is then their sum): engines that
+    # compute prompts and send their KV, and engines that fetch it and decode.
+    prefill_engines: int = 0  # disaggregation: engines that compute prompts and send their KV to decode engines
+    decode_engines: int = 0  # disaggregation: engines that fetch each request's KV from a prefill engine and decode
     routing: RoutingName = "kv_events"  # the engines' own KV events: one exact view for every front end
     # The routing policy's fields, e.g. {"prefill_weight": 1.0, "load_weight": 0.1} for kv_events.
     routing_options: dict[str, float] = {}
@@ -67,6 +71,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
+        if self.prefill_engines or self.decode_engines:
+            self._check_disaggregation()
         if self.num_engines < 1:
             raise ConfigError("num_engines must be >= 1")
         if self.routing not in POLICIES:
@@ -95,6 +101,29 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ConfigError(f"moe_split must be one of {MOE_SPLITS}, got {self.moe_split!r}")
         if self.enable_dp_attention and self.moe_split == "experts":
             self._check_expert_split()
+
+    def _check_disaggregation(self) -> None:
+        pools = self.prefill_engines + self.decode_engines
+        if self.prefill_engines < 1 or self.decode_engines < 1:
+            raise ConfigError("prefill_engines and decode_engines must both be >= 1 (or both 0: unified engines)")
+        if self.num_engines not in (1, pools):
+            raise ConfigError(f"num_engines ({self.num_engines}) must be prefill_engines + decode_engines ({pools}) "
+                              "or left out")
+        if self.enable_dp_attention:
+            raise ConfigError("attention-DP with prefill/decode disaggregation is not supported yet")
+        if "disaggregation_mode" in self.engine:
+            raise ConfigError("set prefill_engines and decode_engines, not disaggregation_mode in engine overrides")
+        msgspec.structs.force_setattr(self, "num_engines", pools)
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_engines > 0
+
+    def engine_role(self, index: int) -> str:
+        """Engine `index`'s disaggregation_mode: the first prefill_engines are prefill engines."""
+        if not self.disaggregated:
+            return "null"
+        return "prefill" if index < self.prefill_engines else "decode"
 
     def _check_expert_split(self) -> None:
         """Expert parallelism needs num_experts divisible by the group size: said here, before any
@@ -130,8 +159,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             kwargs["limits"] = {**base, **flat}
         return build_config(cls, "cluster", kwargs, strict)
 
-    def engine_config(self, device: str | None = None) -> EngineConfig:
+    def engine_config(self, device: str | None = None, role: str = "null") -> EngineConfig:
+        """An engine's config; role: its disaggregation_mode (engine_role)."""
         threads = self.torch_threads_per_engine or max(1, int(-(-self.cpus_per_engine // 1)))
-        return EngineConfig.from_kwargs(**{**self.engine, "model_path": self.model_path,
-                                           "device": device or self.device, "torch_threads": threads,
-                                           "moe_split": self.moe_split, "limits": self.limits})
+        own = {"model_path": self.model_path, "device": device or self.device, "torch_threads": threads,
+               "moe_split": self.moe_split, "limits": self.limits}
+        if role != "null":
+            own["disaggregation_mode"] = role
+        return EngineConfig.from_kwargs(**{**self.engine, **own})

@@ -85,11 +85,14 @@ class OwnedEngines:
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": cfg.cpus_per_engine}
         self.pg = placement_group([bundle] * cfg.num_engines, strategy=cfg.placement_strategy)
         ray.get(self.pg.ready(), timeout=120)
-        engine_cfg = msgspec.structs.asdict(cfg.engine_config(self.device))
+        roles = [cfg.engine_role(i) for i in range(cfg.num_engines)]
+        engine_cfgs = {role: msgspec.structs.asdict(cfg.engine_config(self.device, role)) for role in set(roles)}
         actor_cls = ray.remote(EngineActor)
-        # Named (in namespace "radixray") so operators and tests can find a cluster's engines.
+        # Named (in namespace "radixray") so operators, tests and decode engines (their prefill
+        # engines) can find a cluster's engines.
         self.cluster_id = uuid.uuid4().hex[:8]
         names = [f"radixray-{self.cluster_id}-engine-{i}" for i in range(cfg.num_engines)]
+        peers = {"names": [n for n, r in zip(names, roles) if r == "prefill"], "namespace": ACTOR_NAMESPACE}
         self.coordinators, dp = make_dp_groups(cfg)
         for i in range(cfg.num_engines):  # one at a time: a failure leaves self.actors complete
             self.actors.append(actor_cls.options(
@@ -97,7 +100,7 @@ class OwnedEngines:
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=cfg.max_restarts,
                 max_task_retries=0, max_concurrency=10_000,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(engine_cfg, i, dp[i]))
+            ).remote(engine_cfgs[roles[i]], i, dp[i], peers if roles[i] == "decode" else None))
         infos = ray.get([a.info.remote() for a in self.actors], timeout=600)
         wait_ready(self.actors, timeout_s=600)  # attention-DP members: once their group formed
         return list(zip(self.actors, infos, names))

@@ -70,11 +70,30 @@ async def stream_request(input_ids: list[int], params: SamplingParams, rid: str 
             # engine is dropped by Channels.deliver, never read as this attempt's.
             with lock:
                 idx = router.pick(input_ids, cost, exclude=frozenset(tried))
+                prefill = None  # disaggregated: the prefill engine for the decode engine `idx`
+                missing = "engine"
+                if idx is not None and router.disaggregated:
+                    prefill = router.pick(input_ids, n_prompt, pool="prefill")
+                    if prefill is None:
+                        router.done(idx, cost, input_ids)
+                        idx, missing = None, "prefill engine"
                 if idx is not None:
                     channels.subscribe_locked(rid, idx, loop, queue)
             if idx is None:
-                yield StreamDelta.aborted(rid, error="no engine available", kind="overloaded", prompt_tokens=n_prompt)
+                yield StreamDelta.aborted(rid, error=f"no {missing} available", kind="overloaded",
+                                          prompt_tokens=n_prompt)
                 return
+            if prefill is not None:  # the decode engine fetches the KV from this one
+                payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params,
+                                                 prefill_engine=engines[prefill].name))
+
+            def prefill_done() -> None:  # its part ends with the first token (or the request)
+                nonlocal prefill
+                if prefill is not None:
+                    with lock:
+                        router.done(prefill, n_prompt, input_ids)
+                    prefill = None
+
             streamed = finished = rerouted = False
             try:
                 channels.taken(rid, await engines[idx].actor.submit.remote(payload, consumer))
@@ -100,6 +119,7 @@ async def stream_request(input_ids: list[int], params: SamplingParams, rid: str 
                                                       kind="timeout", prompt_tokens=n_prompt)
                             return
                         held.append(item)
+                        prefill_done()
                         finished = item.finish_reason is not None
                         if item.error_kind == "draining" and not streamed:  # handed back: elsewhere
                             rerouted = True
@@ -146,6 +166,7 @@ async def stream_request(input_ids: list[int], params: SamplingParams, rid: str 
                     send_abort(idx, rid)
                 with lock:
                     router.done(idx, cost, input_ids)
+                prefill_done()
             if rerouted:
                 tried.add(idx)
                 log.info("engine %d is draining; re-routing request %s", idx, rid)

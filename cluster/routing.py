@@ -263,14 +263,22 @@ class Router:
             self.policy = ROUTING_POLICIES[self.policy](**self.policy_options)
         self.exact = isinstance(self.policy, KVEvents)
         self.loads = [EngineLoad() for _ in range(self.num_engines)]
+        self.roles = ["null"] * self.num_engines
         self.trees = [PrefixTree(self.kv_capacity) for _ in range(self.num_engines)]
         self.kv_index = KVIndex(self.num_engines)
 
     def healthy(self) -> list[int]:
         return [i for i, ld in enumerate(self.loads) if ld.healthy and ld.accepting]
 
-    def add_engine(self, kv_capacity: int) -> int:
-        """A new engine joined (indices are never reused); returns its index."""
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill/decode disaggregation: a request goes to a decode engine and a prefill engine."""
+        return "prefill" in self.roles
+
+    def add_engine(self, kv_capacity: int, role: str = "null") -> int:
+        """A new engine joined (indices are never reused); returns its index. role: its
+        disaggregation_mode ("prefill" engines are picked only with pool="prefill")."""
+        self.roles.append(role)
         self.loads.append(EngineLoad())
         self.capacity.append(kv_capacity)
         self.trees.append(PrefixTree(kv_capacity))
@@ -306,9 +314,12 @@ class Router:
         low = min(use.values())
         return {i: u - low for i, u in use.items()}
 
-    def pick(self, input_ids: list[int], cost: int, exclude: frozenset[int] = frozenset()) -> int | None:
-        """Choose an engine (None if none is healthy) and account the request on it."""
-        candidates = [i for i in self.healthy() if i not in exclude]
+    def pick(self, input_ids: list[int], cost: int, exclude: frozenset[int] = frozenset(),
+             pool: str | None = None) -> int | None:
+        """Choose an engine (None if none is healthy) and account the request on it. pool: the
+        engines of that role only; None: any that takes requests itself (not a prefill engine)."""
+        candidates = [i for i in self.healthy() if i not in exclude
+                      and (self.roles[i] == pool if pool else self.roles[i] != "prefill")]
         if not candidates:
             return None
         choice = self.policy.choose(self, input_ids, candidates)

@@ -25,6 +25,9 @@ MoeSplit = Literal["experts", "intermediate"]
 MoeDispatch = Literal["gather", "all_to_all"]
 CpuGraphMode = Literal["auto", "on", "off"]
 DisaggregationMode = Literal["null", "prefill", "decode"]
+# How KV moves between engine actors (actors/kv_transfer.py implements them; an in-process pair
+# passes it by reference whatever this says).
+DisaggregationTransferBackend = Literal["object_store"]
 SCHEDULE_POLICIES = get_args(SchedulePolicy)
 ATTENTION_BACKENDS = get_args(AttentionBackendName)
 LINEAR_BACKENDS = get_args(LinearBackend)
@@ -35,6 +38,7 @@ MOE_SPLITS = get_args(MoeSplit)
 MOE_DISPATCHES = get_args(MoeDispatch)
 CPU_GRAPH_MODES = get_args(CpuGraphMode)
 DISAGGREGATION_MODES = get_args(DisaggregationMode)
+DISAGGREGATION_TRANSFER_BACKENDS = get_args(DisaggregationTransferBackend)
 
 
 # Callers inside these packages (and argparse, for a flag) are skipped when a deprecation warning
@@ -201,6 +205,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # decode engine; "decode" gets each request's KV from a prefill engine and decodes; "null" does both.
     disaggregation_mode: DisaggregationMode = "null"
     disaggregation_transfer_timeout_s: float = 60.0  # a KV transfer not done by then fails (and is retried elsewhere)
+    # How KV moves between engine actors (SGLang's flag; its values are this project's): "object_store",
+    # the prefill call's result through Ray's object store (one contiguous buffer per transfer).
+    disaggregation_transfer_backend: DisaggregationTransferBackend = "object_store"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -220,6 +227,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(self.disaggregation_mode in DISAGGREGATION_MODES,
              f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
         need(self.disaggregation_transfer_timeout_s > 0, "disaggregation_transfer_timeout_s must be > 0")
+        need(self.disaggregation_transfer_backend in DISAGGREGATION_TRANSFER_BACKENDS,
+             f"disaggregation_transfer_backend must be one of {DISAGGREGATION_TRANSFER_BACKENDS}, "
+             f"got {self.disaggregation_transfer_backend!r}")
         need(self.cpu_graph in CPU_GRAPH_MODES, f"cpu_graph must be one of {CPU_GRAPH_MODES}, got {self.cpu_graph!r}")
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -6,16 +6,11 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-import msgspec
-
+from engine.disaggregation.prefill import submit_prefill
 from engine.disaggregation.transfer import KVFetch, KVReceiver, LocalKVChannel
-from engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine import Engine, StreamDelta
-
-# A fetch for KV only (a retracted request has its tokens): the prefill's one sampled token is unused.
-KV_ONLY = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    from engine.engine import Engine
 
 
 class LocalPrefillSource:
@@ -26,14 +21,6 @@ class LocalPrefillSource:
 
     def fetch(self, fetch: KVFetch) -> KVReceiver:
         channel = LocalKVChannel()
-        params = fetch.sampling_params or KV_ONLY
-        if fetch.seed is not None and not params.is_greedy:
-            params = msgspec.structs.replace(params, seed=fetch.seed)
-
-        def sink(delta: StreamDelta) -> None:
-            if delta.finish_reason == "abort":  # the prefill failed (or was aborted): the decode side refetches
-                channel.fail(delta.error or "the prefill failed")
-
         engine = self.prefill_engines[next(self._next)]
-        engine.submit(fetch.token_ids, params, sink, rid=f"{fetch.rid}/kv{next(self._ids)}", kv_sender=channel)
+        submit_prefill(engine, fetch, channel, rid=f"{fetch.rid}/kv{next(self._ids)}")
         return channel

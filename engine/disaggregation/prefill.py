@@ -6,12 +6,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from engine.cache_manager import CacheManager
 from engine.disaggregation.kv_pages import gather_kv
-from engine.disaggregation.transfer import KVPayload, KVPoll
+from engine.disaggregation.transfer import KVFetch, KVPayload, KVPoll, KVSender
 from engine.memory import KVCache
 from engine.req import FinishReason, Req
+
+if TYPE_CHECKING:
+    from engine.engine import Engine, StreamDelta
+
+
+def submit_prefill(engine: Engine, fetch: KVFetch, sender: KVSender, rid: str) -> None:
+    """Queue a decode engine's fetch on a prefill engine: its KV goes out through `sender`,
+    which fails if the prefill does (an error or an abort: the decode side fetches again)."""
+
+    def sink(delta: StreamDelta) -> None:
+        if delta.finish_reason == "abort":
+            sender.fail(delta.error or "the prefill failed")
+
+    engine.submit(fetch.token_ids, fetch.prefill_params(), sink, rid=rid, kv_sender=sender)
 
 
 class PrefillTransfers:

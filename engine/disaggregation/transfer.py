@@ -15,9 +15,13 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
 
+import msgspec
 import torch
 
 from engine.sampling import SamplingParams
+
+# A fetch for KV only (a retracted request has its tokens): the prefill's one sampled token is unused.
+KV_ONLY = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 class KVPoll(IntEnum):
@@ -52,8 +56,7 @@ class KVPayload:
         return self.kv.numel() * self.kv.element_size()
 
 
-@dataclass(frozen=True)
-class KVFetch:
+class KVFetch(msgspec.Struct, frozen=True):
     """A decode engine's request for KV: compute `token_ids` and send the KV of `[skip:]`.
     `sampling_params` None: KV only (a retracted request that has its tokens); else the prefill
     samples the first token with them (and the RNG seeded as the decode side's request)."""
@@ -63,6 +66,13 @@ class KVFetch:
     skip: int
     sampling_params: SamplingParams | None
     seed: int | None = None  # the decode side's sampling seed (prefill and decode draw from one stream)
+
+    def prefill_params(self) -> SamplingParams:
+        """What the prefill engine samples its one token with."""
+        params = self.sampling_params or KV_ONLY
+        if self.seed is not None and not params.is_greedy:
+            params = msgspec.structs.replace(params, seed=self.seed)
+        return params
 
 
 class KVSender(Protocol):
