@@ -97,10 +97,29 @@ def _window_blocks(ds: Any, rows: int, compute: Any, remote_args: dict) -> Any:
     return ds
 
 
-def build_dataset(opts: BatchOptions, cfg: ClusterConfig, done_ref: Any, seen_ids: Any = None) -> Any:
+def start_prefill_engines(cfg: ClusterConfig) -> tuple[Any, list[str]]:
+    """Disaggregation: the job's prefill engines, engine actors of their own (the Generate stage's
+    actors are the decode engines). Returns what to stop after the job (OwnedEngines) and their
+    actor names."""
+    from cluster.membership import OwnedEngines
+
+    prefill_only = msgspec.structs.replace(cfg, prefill_engines=0, decode_engines=0, num_engines=cfg.prefill_engines,
+                                           engine={**cfg.engine, "disaggregation_mode": "prefill"})
+    owned = OwnedEngines()
+    try:
+        started = owned.start(prefill_only)
+    except BaseException:
+        owned.stop()
+        raise
+    return owned, [name for _, _, name in started]
+
+
+def build_dataset(opts: BatchOptions, cfg: ClusterConfig, done_ref: Any, seen_ids: Any = None,
+                  prefill_peers: dict | None = None) -> Any:
     """read -> Preprocess -> windows -> Generate -> WriteShards, as a lazy Ray Data dataset of
     ShardReport rows. seen_ids: the job's SeenIds actor (None: each read task keeps its own, so
-    a duplicate id across tasks' files is not caught)."""
+    a duplicate id across tasks' files is not caught). prefill_peers: disaggregated, the prefill
+    engines the Generate stage's decode engines fetch KV from."""
     import ray
     import ray.data
 
@@ -109,7 +128,8 @@ def build_dataset(opts: BatchOptions, cfg: ClusterConfig, done_ref: Any, seen_id
     files, filesystem = resolve_input(opts.input)
     use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
     device = "cuda" if use_gpu else "cpu"
-    engine_config = msgspec.structs.asdict(cfg.engine_config(device))
+    engine_config = msgspec.structs.asdict(cfg.engine_config(device, "decode" if cfg.disaggregated else "null"))
+    engines = cfg.decode_engines if cfg.disaggregated else cfg.num_engines
     # The CPU stages ask no CPU: engines may hold every CPU of a CPU-only cluster, and these are
     # small next to generation. Their concurrency is capped instead; each task reads its share
     # of the files, so a task (one process, one tokenizer) is started at most read_tasks times.
@@ -129,8 +149,8 @@ def build_dataset(opts: BatchOptions, cfg: ClusterConfig, done_ref: Any, seen_id
     # A batch is a window (Ray Data wants a batch size with GPUs; a short window's block may
     # share a call with the next one).
     ds = ds.map_batches(Generate, batch_size=opts.window, batch_format="pyarrow",
-                        fn_constructor_kwargs={"engine_config": engine_config},
-                        compute=ray.data.ActorPoolStrategy(size=cfg.num_engines,
+                        fn_constructor_kwargs={"engine_config": engine_config, "prefill_peers": prefill_peers},
+                        compute=ray.data.ActorPoolStrategy(size=engines,
                                                            max_concurrent_calls_per_actor=WINDOWS_PER_ENGINE,
                                                            max_tasks_in_flight_per_actor=WINDOWS_PER_ENGINE),
                         **engine_resources)
@@ -149,6 +169,7 @@ def run(opts: BatchOptions, cfg: ClusterConfig) -> BatchSummary:
     from cluster.cluster import ensure_ray
 
     owns_ray = ensure_ray(cfg.address)
+    prefill = None
     try:
         t0 = time.monotonic()
         _remove_stale_temporaries(opts.output)
@@ -160,7 +181,13 @@ def run(opts: BatchOptions, cfg: ClusterConfig) -> BatchSummary:
         summary = BatchSummary()
         # One claim a span of rows; it asks no CPU, as the read tasks that call it.
         seen_ids = ray.remote(SeenIds).options(num_cpus=0).remote()
-        ds = build_dataset(opts, cfg, done_ref, seen_ids)
+        peers = None
+        if cfg.disaggregated:
+            from cluster.membership import ACTOR_NAMESPACE
+
+            prefill, names = start_prefill_engines(cfg)
+            peers = {"names": names, "namespace": ACTOR_NAMESPACE}
+        ds = build_dataset(opts, cfg, done_ref, seen_ids, peers)
         with tqdm(disable=not opts.progress, unit="row", dynamic_ncols=True) as bar:
             for row in ds.iter_rows():
                 shard = msgspec.convert(row, ShardReport)
@@ -173,5 +200,7 @@ def run(opts: BatchOptions, cfg: ClusterConfig) -> BatchSummary:
         summary.skipped = ray.get(count_ref)
         return summary
     finally:
+        if prefill is not None:
+            prefill.stop()
         if owns_ray:
             ray.shutdown()

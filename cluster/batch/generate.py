@@ -22,13 +22,20 @@ class Generate:
     background thread). A call is one window, submitted at once in token order; several windows
     are in flight, so the engine's batch never drains between them."""
 
-    def __init__(self, engine_config: dict) -> None:
+    def __init__(self, engine_config: dict, prefill_peers: dict | None = None) -> None:
+        """prefill_peers: a decode engine's prefill engine actors ({"names": [...], "namespace": ...})."""
+        from actors.kv_transfer import RayPrefillSource
         from engine import Engine, EngineConfig, SamplingParams
         from engine.logs import log_to_stderr
 
         log_to_stderr()
         self._params_decoder = msgspec.msgpack.Decoder(SamplingParams)
-        self.engine = Engine(EngineConfig.from_kwargs(**engine_config))
+        config = EngineConfig.from_kwargs(**engine_config)
+        source = None
+        if prefill_peers is not None:  # its requests' KV comes from those (any of them: no router here)
+            source = RayPrefillSource(config.disaggregation_transfer_backend, prefill_peers["namespace"],
+                                      prefill_peers["names"])
+        self.engine = Engine(config, kv_source=source)
         self.engine.on_fatal = self._die
         self.engine.start_loop()
 

@@ -6,6 +6,7 @@ request and leak no KV on either side."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import msgspec
@@ -43,6 +44,29 @@ def engine_stats(cl) -> dict[str, list]:
     for s in cl.stats().engines:
         by_role.setdefault(s.role, []).append(s.engine)
     return by_role
+
+
+def test_batch_job_with_prefill_and_decode_engines(ray_local, single, model_dirs, tmp_path, capsys):
+    """`python -m cluster batch --prefill-engines 1 --decode-engines 1`: the Generate stage's
+    actors are decode engines fetching KV from the job's prefill engine; same rows as one engine.
+    (First in the module: the job's engines need the CPUs the shared clusters take later.)"""
+    from cluster.batch import main
+
+    path = model_dirs["stories"]
+    texts = ["Once upon a time", "The little dog", "Once upon a time there was", "A cat sat", "Tom and Lily"]
+    (tmp_path / "in.jsonl").write_text("".join(
+        json.dumps({"id": f"r{i}", "prompt": t, "max_tokens": 12, "temperature": 0, "ignore_eos": True}) + "\n"
+        for i, t in enumerate(texts)))
+    args = ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out"), "--model", path,
+            "--prefill-engines", "1", "--decode-engines", "1", "--no-progress",
+            "--address", ray.get_runtime_context().gcs_address]
+    assert main(args) == 0
+    assert "batch: rows=5 errors=0" in capsys.readouterr().out
+    rows = {r["id"]: r for f in sorted((tmp_path / "out").glob("part-*.jsonl"))
+            for r in map(json.loads, f.read_text().splitlines())}
+    ref = single(path).generate(prompt=texts, sampling_params=SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                                             ignore_eos=True))
+    assert [rows[f"r{i}"]["text"] for i in range(len(texts))] == [o.text for o in ref]
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
