@@ -32,7 +32,7 @@ from tests.helpers import finals_after
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 # The stall bound of the "stories" group (its stall test waits it out; the default is 30 s).
-STALL_S = 10.0
+STALL_S = 6.0
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,8 @@ def cluster_configs(model_dirs) -> dict[str, ClusterConfig]:
         # stall bound, and requests bounded well above what a restart takes.
         "stories": dp("stories", engine={"chunked_prefill_size": 16}, health_check_period_s=0.5,
                       request_timeout_s=120, dp_stall_timeout_s=STALL_S),
-        # Two groups of two: one goes down (or loses its coordinator) while the other serves.
+        # Two groups of two: one goes down (or loses its coordinator) while the other serves. Its
+        # tests come after every "stories" test: four engines, so the pair is shut down for it.
         "stories-2x2": dp("stories", num_engines=4, dp_group_size=2, health_check_period_s=0.5,
                           request_timeout_s=120),
     }
@@ -189,43 +190,6 @@ def test_killed_member_restarts_the_group(clusters, single):
     assert [o.token_ids for o in again] == [ref] * 2, ([o.error for o in again], cl.dp_stats())
 
 
-def test_group_survives_a_coordinator_restart(clusters, single):
-    """Ray restarts a coordinator under traffic: its members check back in, it adopts their
-    epoch (no gang restart, no request lost), and the next requests get their waves."""
-    cl = clusters.get("stories-2x2")
-    ref = reference(single, cl)
-    coord = cl.coordinators[0]
-    before = ray.get(coord.stats.remote())
-    long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
-    finals = cl.run(finals_after(cl, [f"Story {i}" for i in range(4)], long,  # one on each engine
-                                 lambda: ray.kill(coord, no_restart=False), timeout_s=90))
-    assert all(f.error is None and f.finish_reason == "length" for f in finals), finals
-    for _ in range(3):  # each round starts from sleeping groups: new waves, group 0's from the new coordinator
-        _wait_idle(cl)
-        outs = _timed(cl, ["Once upon a time"] * 4, GREEDY, within_s=90)  # round robin: one per engine
-        assert [o.token_ids for o in outs] == [ref] * 4, [o.error for o in outs]
-    after = cl.dp_stats()[0]
-    assert after.coordinator != before.coordinator  # it was restarted...
-    assert after.epoch == before.epoch and after.members == [0, 1] and after.rejoins == 2, after
-    assert after.restarts == 0  # ...and the group it adopted went on
-
-
-def test_other_group_keeps_serving(clusters, single):
-    cl = clusters.get("stories-2x2")
-    ref = reference(single, cl)
-    before = cl.dp_stats()
-    assert [g.members for g in before] == [[0, 1], [0, 1]], before
-    ray.kill(cl.actors[0], no_restart=False)  # group 0 goes down...
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and cl.healthy()[0]:
-        time.sleep(0.1)
-    # ...while group 1 (engines 2 and 3) answers every request meanwhile.
-    outs = cl.generate(prompt=["Once upon a time"] * 4, sampling_params=GREEDY)
-    assert all(o.token_ids == ref and o.error is None for o in outs), [o.error for o in outs]
-    wait_restarted(cl, 0, before[0])
-    assert cl.dp_stats()[1].restarts == before[1].restarts
-
-
 def _timed(cl: Cluster, prompts: list[str], params: SamplingParams, within_s: float) -> list:
     """Generate, failing the test if any request is still open after within_s (a stalled group
     holds requests until request_timeout_s). At the bound every stream is cancelled, which
@@ -290,6 +254,43 @@ def test_a_stalled_group_fails_and_restarts(clusters, single):
     wait_restarted(cl, 0, before)
     outs = _timed(cl, ["Once upon a time"] * 2, GREEDY, within_s=90)
     assert [o.token_ids for o in outs] == [ref] * 2, [o.error for o in outs]
+
+
+def test_group_survives_a_coordinator_restart(clusters, single):
+    """Ray restarts a coordinator under traffic: its members check back in, it adopts their
+    epoch (no gang restart, no request lost), and the next requests get their waves."""
+    cl = clusters.get("stories-2x2")
+    ref = reference(single, cl)
+    coord = cl.coordinators[0]
+    before = ray.get(coord.stats.remote())
+    long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    finals = cl.run(finals_after(cl, [f"Story {i}" for i in range(4)], long,  # one on each engine
+                                 lambda: ray.kill(coord, no_restart=False), timeout_s=90))
+    assert all(f.error is None and f.finish_reason == "length" for f in finals), finals
+    for _ in range(3):  # each round starts from sleeping groups: new waves, group 0's from the new coordinator
+        _wait_idle(cl)
+        outs = _timed(cl, ["Once upon a time"] * 4, GREEDY, within_s=90)  # round robin: one per engine
+        assert [o.token_ids for o in outs] == [ref] * 4, [o.error for o in outs]
+    after = cl.dp_stats()[0]
+    assert after.coordinator != before.coordinator  # it was restarted...
+    assert after.epoch == before.epoch and after.members == [0, 1] and after.rejoins == 2, after
+    assert after.restarts == 0  # ...and the group it adopted went on
+
+
+def test_other_group_keeps_serving(clusters, single):
+    cl = clusters.get("stories-2x2")
+    ref = reference(single, cl)
+    before = cl.dp_stats()
+    assert [g.members for g in before] == [[0, 1], [0, 1]], before
+    ray.kill(cl.actors[0], no_restart=False)  # group 0 goes down...
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and cl.healthy()[0]:
+        time.sleep(0.1)
+    # ...while group 1 (engines 2 and 3) answers every request meanwhile.
+    outs = cl.generate(prompt=["Once upon a time"] * 4, sampling_params=GREEDY)
+    assert all(o.token_ids == ref and o.error is None for o in outs), [o.error for o in outs]
+    wait_restarted(cl, 0, before[0])
+    assert cl.dp_stats()[1].restarts == before[1].restarts
 
 
 def test_a_coordinator_process_imports_no_engine():
