@@ -40,7 +40,8 @@ def payload_to_wire(payload: KVPayload) -> tuple[bytes, np.ndarray]:
     meta = KVPayloadMeta(start=payload.start, kv_shape=list(kv.shape), kv_dtype=str(kv.dtype).removeprefix("torch."),
                          first_token=payload.first_token, first_logprob=payload.first_logprob,
                          generator_state=state.numpy().tobytes() if state is not None else None,
-                         prompt_logprobs=payload.prompt_logprobs, cached_tokens=payload.cached_tokens)
+                         prompt_logprobs=payload.prompt_logprobs, cached_tokens=payload.cached_tokens,
+                         sent_at=payload.sent_at)
     return msgspec.msgpack.encode(meta), kv.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -53,7 +54,8 @@ def payload_from_wire(meta_bytes: bytes, raw: np.ndarray) -> KVPayload:
     state = (torch.frombuffer(bytearray(meta.generator_state), dtype=torch.uint8)
              if meta.generator_state is not None else None)
     return KVPayload(start=meta.start, kv=kv, first_token=meta.first_token, first_logprob=meta.first_logprob,
-                     generator_state=state, prompt_logprobs=meta.prompt_logprobs, cached_tokens=meta.cached_tokens)
+                     generator_state=state, prompt_logprobs=meta.prompt_logprobs, cached_tokens=meta.cached_tokens,
+                     sent_at=meta.sent_at)
 
 
 class RayKVReceiver:

@@ -72,6 +72,7 @@ class KVPayloadMeta(msgspec.Struct, frozen=True, array_like=True):
     generator_state: bytes | None
     prompt_logprobs: list[PromptLogprob | None] | None
     cached_tokens: int
+    sent_at: float
 
 
 _request_encoder = msgspec.msgpack.Encoder()

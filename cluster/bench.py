@@ -44,6 +44,11 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             two independent engines; the same 32 requests: output tokens/s, weight bytes per
             engine, time in collectives and bytes each member sent per group step, rows (tokens)
             per group step.
+  pd        prefill/decode disaggregation (cluster/bench_pd.py): 8 streaming decodes (320 tokens each)
+            while six 2,000-token prompts arrive 2 s apart, on 1 prefill + 1 decode engine vs 2 unified
+            engines: decode ITL p50/p99, TTFT p50/p99, output tokens/s, KV transfer ms and bytes per
+            1,000 prompt tokens; floors: ITL p99 <= 0.5x unified, throughput >= 0.8x. `--plot` writes
+            the ITL and TTFT distributions as a PNG.
   batch     the offline batch job on a 2,000-row multi-tenant shared-prefix JSONL (16 tenants' 256-byte
             prefixes, 32 output tokens), 2 engines: the Ray Data job vs the driver-loop job it replaced
             (`cluster.bench_driver_loop.run_driver_loop`) vs `Cluster.generate` on the same prompts: rows/s,
@@ -68,6 +73,7 @@ import msgspec
 import ray
 
 from cluster import Cluster, ClusterConfig
+from cluster.bench_pd import case_pd
 from cluster.stats import ClusterStats
 from engine import SamplingParams
 from engine.bench import BENCH_ARCH, bench_model_path, random_prompts
@@ -900,7 +906,7 @@ def case_autoscale(path: str, scale: float) -> None:
 
 CASES = {"scale": case_scale, "routing": case_routing, "churn": case_churn, "churn_low": case_churn_low,
          "http": case_http, "dp": case_dp, "moe": case_moe, "batch": case_batch, "frontend": case_frontend,
-         "autoscale": case_autoscale}
+         "autoscale": case_autoscale, "pd": case_pd}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -919,6 +925,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--frontend-model", default=None,
                     help="frontend: the model to serve (default: stories260K beside the checkout, else the bench model)")
     ap.add_argument("--frontend-child", help=argparse.SUPPRESS)  # one ingress mode, in its own Ray
+    ap.add_argument("--plot", default="docs/images/pd_latency.png",
+                    help="pd: where to write the latency distributions' PNG (needs matplotlib: pip install -e .[bench]); '' for none")
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -940,6 +948,9 @@ def main(argv: list[str] | None = None) -> None:
             continue
         if not ray.is_initialized():
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        if name == "pd":
+            case_pd(path, scale, plot_path=args.plot or None)
+            continue
         if name == "churn":
             case_churn(path, scale, frontends=tuple(int(m) for m in args.frontends.split(",")), rate=args.rate)
             continue

@@ -46,7 +46,7 @@ log = logging.getLogger("radixray.http")
 
 # The deployments' shape, not the replicas' arguments: changing them rescales (or re-tunes the
 # autoscalers) instead of restarting every replica with new arguments.
-FLEET_SIZE_FIELDS = ("num_engines", "frontends", "max_frontends", "min_engines", "max_engines",
+FLEET_SIZE_FIELDS = ("num_engines", "prefill_engines", "decode_engines", "frontends", "max_frontends", "min_engines", "max_engines",
                      "target_requests_per_frontend", "target_waiting_per_engine", "target_kv_use",
                      "upscale_delay_s", "downscale_delay_s")
 SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
@@ -692,7 +692,13 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     if parsed.cluster.enable_dp_attention:
         args["dp_group_size"] = gang
     fleet = Fleet.bind()
-    engines = engine_deployment(parsed.cluster, parsed.fleet).bind(args, fleet)
+    if parsed.cluster.disaggregated:  # two pools: the decode deployment holds the prefill one
+        prefill = engine_deployment(parsed.cluster, parsed.fleet, "prefill").bind(
+            {**args, "disaggregation_mode": "prefill"}, fleet)
+        engines = engine_deployment(parsed.cluster, parsed.fleet, "decode").bind(
+            {**args, "disaggregation_mode": "decode"}, fleet, prefill)
+    else:
+        engines = engine_deployment(parsed.cluster, parsed.fleet).bind(args, fleet)
     # The front end holds no handle to the engines' deployment, only to the registry; binding it
     # makes Serve deploy the engines as part of this application.
     return OpenAIServer.options(**frontend_options(parsed.fleet)).bind(args, fleet, engines)

@@ -161,7 +161,10 @@ def _engine_bundle(cluster: Any) -> dict[str, float]:
 class EngineServer:
     """One engine of the fleet (see the module docstring). Deployed by engine_deployment()."""
 
-    async def __init__(self, args: dict[str, Any], fleet: Any) -> None:  # async: Serve awaits it
+    async def __init__(self, args: dict[str, Any], fleet: Any, prefill: Any = None) -> None:  # async: Serve awaits it
+        """prefill: a decode engine's prefill deployment (bound so that Serve deploys it with this
+        one, as Ray Serve LLM's decode server holds its prefill server); the engines themselves
+        find each other through the fleet registry."""
         log_to_stderr()
         app_args = AppArgs.from_dict(args)
         cfg, self.options = app_args.cluster, app_args.fleet
@@ -185,14 +188,17 @@ class EngineServer:
         strategy = None
         if pg is not None:  # the replica's own bundle (bundle `rank` of its gang's group)
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=gang.rank if gang else 0)
-        engine_cfg = msgspec.structs.asdict(cfg.engine_config(device))
+        engine_config = cfg.engine_config(device)
+        self.role = engine_config.disaggregation_mode
+        # A decode engine learns its prefill engines from the fleet (_follow_prefill_engines).
+        peers = {"names": [], "namespace": ACTOR_NAMESPACE} if self.role == "decode" else None
         # max_restarts=0: a dead engine fails this replica's health check and Serve replaces
         # the replica (under attention-DP, the whole gang).
         self.engine = ray.remote(EngineActor).options(
             name=f"radixray-{ctx.app_name}-engine-{self.key}", namespace=ACTOR_NAMESPACE,
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
             max_concurrency=10_000, scheduling_strategy=strategy,
-        ).remote(engine_cfg, self.engine_id, dp)
+        ).remote(msgspec.structs.asdict(engine_config), self.engine_id, dp, peers)
         info: EngineInfo = await self.engine.info.remote()
         deadline = time.monotonic() + 600
         # Attention-DP members are ready once their group has formed (until then ready() is
@@ -208,6 +214,28 @@ class EngineServer:
             await fleet.register.remote(self.key, self.engine_id)
             await fleet.renew.remote(self.key, self.engine, self.info)
         threading.Thread(target=self._renew_lease, name="radixray-lease", daemon=True).start()
+        if self.role == "decode":
+            threading.Thread(target=self._follow_prefill_engines, name="radixray-prefill-peers", daemon=True).start()
+
+    def _follow_prefill_engines(self) -> None:
+        """A decode engine's prefill engines: the fleet's, by actor name, whenever they change."""
+        version, names = None, None
+        while not self._stop.is_set():
+            try:
+                version, members = self.fleet.watch.remote(version).result(timeout_s=60)
+            except Exception as e:  # the registry is restarting
+                log.warning("engine %d could not read the fleet: %s", self.engine_id, type(e).__name__)
+                self._stop.wait(1.0)
+                continue
+            infos = [msgspec.msgpack.decode(info, type=EngineInfo) for _, _, _, info, state in members
+                     if state != "draining"]
+            now = sorted(i.actor_name for i in infos if i.disaggregation_mode == "prefill")
+            if now != names:
+                try:
+                    self.engine.set_prefill_peers.remote(now).result(timeout_s=10)
+                    names = now
+                except Exception as e:  # the engine is gone (this replica is being replaced)
+                    log.warning("engine %d could not take its prefill engines: %s", self.engine_id, type(e).__name__)
 
     def _renew_lease(self) -> None:
         while not self._stop.wait(RENEW_PERIOD_S):
@@ -315,8 +343,9 @@ def gang_size(cluster: Any) -> int:
     return (cluster.dp_group_size or cluster.num_engines) if cluster.enable_dp_attention else 1
 
 
-def engine_deployment(cluster: Any, options: FleetOptions) -> serve.Deployment:
-    """The EngineServer deployment for this shape: replicas, bundles, gangs and autoscaling."""
+def engine_deployment(cluster: Any, options: FleetOptions, role: str = "null") -> serve.Deployment:
+    """The EngineServer deployment for this shape: replicas, bundles, gangs and autoscaling.
+    role: a disaggregated fleet's pool ("prefill", "decode"), each a deployment of its own."""
     gang = gang_size(cluster)
     opts: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": 0},
@@ -333,6 +362,9 @@ def engine_deployment(cluster: Any, options: FleetOptions) -> serve.Deployment:
     }
     if gang > 1:
         opts["gang_scheduling_config"] = {"gang_size": gang}
+    if role != "null":  # fixed pools (per-pool autoscaling is not built yet)
+        opts["num_replicas"] = cluster.prefill_engines if role == "prefill" else cluster.decode_engines
+        return serve.deployment(EngineServer, name=f"{role.capitalize()}Server", **opts)
     if options.autoscaled:
         opts["autoscaling_config"] = {
             "min_replicas": options.min_engines, "max_replicas": options.max_engines,

@@ -215,6 +215,33 @@ class ServerMetrics:
             page.family(name, "counter", help_text)
             for eng, value in zip(engines, values):
                 page.sample(name, value, {"engine": eng.engine_id})
+        # Prefill/decode disaggregation, labelled with the engine's pool (role): sum by role for per-pool figures.
+        page.family("radixray_engine_role", "gauge", "1 for the engine's disaggregation role: prefill, decode, "
+                    "or null (both).")
+        for eng in engines:
+            page.sample("radixray_engine_role", 1, {"engine": eng.engine_id, "role": eng.role})
+        page.family("radixray_kv_prealloc_queue", "gauge", "Decode engine: requests waiting for KV memory or "
+                    "for their KV to arrive.")
+        for eng in engines:
+            page.sample("radixray_kv_prealloc_queue", eng.engine.prealloc_queue, {"engine": eng.engine_id,
+                                                                                  "role": eng.role})
+        transfers = {
+            "radixray_kv_transfers_total": ("KV transfers completed (sent by a prefill engine, received by a decode "
+                                            "engine).", lambda e: e.engine.kv_transfers),
+            "radixray_kv_transfer_bytes_total": ("Bytes of KV those transfers carried.",
+                                                 lambda e: e.engine.kv_transfer_bytes),
+            "radixray_kv_transfer_seconds_total": ("Decode engine: seconds from asking for a request's KV to its "
+                                                   "arrival, the prefill included.",
+                                                   lambda e: e.engine.kv_transfer_seconds),
+            "radixray_kv_wire_seconds_total": ("Decode engine: seconds from the prefill engine handing the KV over "
+                                               "to its arrival (the transfer alone).", lambda e: e.engine.kv_wire_seconds),
+            "radixray_kv_skipped_tokens_total": ("Decode engine: prompt tokens its own cache held, not transferred.",
+                                                 lambda e: e.engine.kv_skipped_tokens),
+        }
+        for name, (help_text, get) in transfers.items():
+            page.family(name, "counter", help_text)
+            for eng in engines:
+                page.sample(name, get(eng), {"engine": eng.engine_id, "role": eng.role})
         name = "radixray_engine_expert_tokens_total"
         page.family(name, "counter", "MoE: (token, expert) pairs the engine's experts computed (an attention-DP "
                     "member with expert parallelism counts its own experts only).")

@@ -109,6 +109,9 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
         # Not strict: `serve run deploy.app:build_app num_engines=2` passes strings.
         cluster = ClusterConfig.from_kwargs(strict=False, **args, engine=engine)
         fleet_options = build_config(FleetOptions, "fleet", fleet, strict=False)
+        if cluster.disaggregated and fleet_options.autoscaled:
+            raise ConfigError("prefill and decode pools are not autoscaled yet: set prefill_engines and "
+                              "decode_engines without min_engines/max_engines")
         if cluster.enable_dp_attention and fleet_options.autoscaled:
             size = cluster.dp_group_size or cluster.num_engines
             if fleet_options.min_engines % size or fleet_options.max_engines % size:

@@ -102,13 +102,15 @@ class EngineStats(msgspec.Struct, kw_only=True):
     expert_tokens: list[int] = []  # MoE: (token, expert) pairs this engine's experts computed, by expert
     # Prefill/decode disaggregation: KV transfers this engine completed (sent by a prefill engine,
     # received by a decode engine), their tokens and bytes; on a decode engine also the prompt
-    # tokens its own cache held (not transferred), the seconds from fetch to arrival, and the
-    # requests waiting for KV memory or for their KV (the pre-allocation queue).
+    # tokens its own cache held (not transferred), the seconds from fetch to arrival (the prefill
+    # included), the seconds from the prefill engine handing the KV over to its arrival here (the
+    # transfer alone), and the requests waiting for KV memory or for their KV (the pre-allocation queue).
     kv_transfers: int = 0
     kv_transfer_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_skipped_tokens: int = 0
     kv_transfer_seconds: float = 0.0
+    kv_wire_seconds: float = 0.0
     prealloc_queue: int = 0
     # Batches run, by ForwardMode name; every mode is present (0 if none ran), so readers index it.
     batches_by_mode: dict[str, int] = msgspec.field(default_factory=lambda: dict.fromkeys(ForwardMode.__members__, 0))
@@ -509,7 +511,8 @@ class Engine:
             p = s.prealloc
             return dict(kv_transfers=p.received, kv_transfer_tokens=p.received_tokens,
                         kv_transfer_bytes=p.received_bytes, kv_skipped_tokens=p.skipped_tokens,
-                        kv_transfer_seconds=p.transfer_seconds, prealloc_queue=len(p))
+                        kv_transfer_seconds=p.transfer_seconds, kv_wire_seconds=p.wire_seconds,
+                        prealloc_queue=len(p))
         return {}
 
     def shutdown(self) -> None:

@@ -36,6 +36,7 @@ class DecodePrealloc:
         self.received_bytes = 0
         self.skipped_tokens = 0  # tokens this engine's own cache held: not transferred
         self.transfer_seconds = 0.0
+        self.wire_seconds = 0.0  # from the prefill engine's hand-over to the KV in place here
 
     def __len__(self) -> int:
         return len(self.pending) + len(self.transferring)
@@ -162,3 +163,5 @@ class DecodePrealloc:
         self.received_bytes += payload.nbytes
         self.skipped_tokens += skip
         self.transfer_seconds += time.monotonic() - req.disagg[0]
+        if payload.sent_at:
+            self.wire_seconds += max(0.0, time.time() - payload.sent_at)

@@ -87,7 +87,8 @@ class PrefillTransfers:
         kv = gather_kv(self.kv_cache, self.cache.kv_indices(req)[skip:prompt_len])
         payload = KVPayload(start=skip, kv=kv, first_token=first_token, first_logprob=first_logprob,
                             generator_state=req.generator.get_state() if req.generator is not None else None,
-                            prompt_logprobs=req.prompt_logprobs, cached_tokens=req.cached_tokens)
+                            prompt_logprobs=req.prompt_logprobs, cached_tokens=req.cached_tokens,
+                            sent_at=time.time())
         self.sent += 1
         self.sent_tokens += payload.num_tokens
         self.sent_bytes += payload.nbytes

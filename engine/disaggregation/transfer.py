@@ -46,6 +46,7 @@ class KVPayload:
     generator_state: torch.Tensor | None = None  # the request's RNG after sampling the first token
     prompt_logprobs: list | None = None
     cached_tokens: int = 0  # prompt tokens the prefill engine's cache served
+    sent_at: float = 0.0  # time.time() when the prefill engine handed it over (the transfer's start)
 
     @property
     def num_tokens(self) -> int:

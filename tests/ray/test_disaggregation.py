@@ -90,6 +90,7 @@ def test_one_prefill_and_one_decode_engine_match_one_engine(clusters, single, mo
     assert d1.kv_skipped_tokens - d0.kv_skipped_tokens >= sum(len(p) - 1 for p in ids)
     assert d1.kv_transfer_tokens - d0.kv_transfer_tokens <= sum(len(p) for p in ids) + len(ids)
     assert p1.cached_tokens > p0.cached_tokens
+    assert d1.kv_wire_seconds > d0.kv_wire_seconds and d1.kv_transfer_seconds > d0.kv_transfer_seconds
     assert d1.batches_by_mode["PREBUILT"] > d0.batches_by_mode["PREBUILT"]
     assert d1.batches_by_mode["EXTEND"] == d1.batches_by_mode["MIXED"] == 0
     assert p1.batches_by_mode["DECODE"] == 0
