@@ -39,7 +39,7 @@ def load(path: Path) -> dict:
 
 def test_there_are_manifests():
     kinds = sorted(load(p)["kind"] for p in MANIFESTS)
-    assert kinds == ["RayJob", "RayService", "RayService"]
+    assert kinds == ["RayJob", "RayService", "RayService", "RayService"]
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -89,7 +89,7 @@ def test_serve_configs_agree():
     for name, cfg in configs[1:]:
         app = cfg["applications"][0]
         assert app["import_path"] == local["import_path"], name
-        fleet_size = {"num_engines", "min_engines", "max_engines"}
+        fleet_size = {"num_engines", "min_engines", "max_engines", "prefill_engines", "decode_engines"}
         assert set(app["args"]) - {"enable_dp_attention", "dp_group_size", "served_model_name"} - fleet_size <= set(
             local["args"]) | {"model_path"}, name
     from deploy.options import AppArgs
