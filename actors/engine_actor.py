@@ -16,7 +16,8 @@ import msgspec
 import ray
 
 from actors.dp_coordinator import DPMember
-from actors.kv_transfer import RayPrefillSource, payload_to_wire
+from actors.kv_link import KVLink, LinkAddress, PrefillLinks
+from actors.kv_transfer import RayPrefillSource, kv_bytes, payload_meta, payload_to_wire
 from actors.protocol import (
     EngineInfo,
     Evictions,
@@ -153,8 +154,12 @@ class EngineActor:
         if self.role == "decode":
             peers = prefill_peers or {}
             self.kv_source = RayPrefillSource(config.disaggregation_transfer_backend,
-                                              peers.get("namespace", "radixray"), peers.get("names", []))
+                                              peers.get("namespace", "radixray"), peers.get("names", []),
+                                              timeout_s=config.disaggregation_transfer_timeout_s)
         self.engine = Engine(config, mlp_shard=shard, kv_source=self.kv_source)
+        if self.kv_source is not None and self.kv_source.links is not None:
+            self.kv_source.links.device = self.engine.model_runner.device
+        self._kv_links: PrefillLinks | None = None  # a prefill engine's p2p links (on first use)
         # Evicted radix paths, for the routers' cache-aware trees (each reads them by heartbeat()).
         self._evicted = EvictionLog()
         self.engine.scheduler.cache.subscribe(self._on_kv_event)
@@ -321,17 +326,25 @@ class EngineActor:
         if self.kv_source is not None:
             self.kv_source.set_peers(names)
 
-    async def prefill_kv(self, fetch: bytes, kv_rid: str) -> tuple[bytes, Any]:
+    async def prefill_kv(self, fetch: bytes, kv_rid: str, link: bytes | None = None, tag: int = -1) -> tuple[bytes, Any]:
         """A prefill engine's side of one KV transfer (a decode engine's RayPrefillSource calls
         it): compute the prompt, sample its first token, and return the KV of the tokens the
-        decode engine lacks, with what it needs to go on. Cancelled (the decode side gave up):
-        the request is aborted and its KV freed."""
+        decode engine lacks, with what it needs to go on. link: the decode engine's p2p link
+        address; the KV then goes over it (tagged `tag`) and the result carries the metadata
+        only. Cancelled (the decode side gave up): the request is aborted and its KV freed."""
         request = msgspec.msgpack.decode(fetch, type=KVFetch)
         if self._prefill_faults:
             fault = self._prefill_faults.pop(0)
             if fault == "exit":
                 self._die(RuntimeError("injected fault: the prefill engine dies"))
             await asyncio.Event().wait()  # "stall": never answers (until the decode side cancels)
+        kv_link = None
+        if link is not None:  # joined before the prefill: the decode side waits for us meanwhile
+            if self._kv_links is None:
+                self._kv_links = PrefillLinks(self.engine.model_runner.device,
+                                              self.engine.config.disaggregation_transfer_timeout_s)
+            address = msgspec.msgpack.decode(link, type=LinkAddress)
+            kv_link = await asyncio.to_thread(self._kv_links.join, address)
         loop = asyncio.get_running_loop()
         ended = asyncio.Event()
         channel = LocalKVChannel()
@@ -346,7 +359,21 @@ class EngineActor:
                 self.engine.abort(kv_rid, "the decode engine gave up")
         if channel.poll() != KVPoll.Success:
             raise RuntimeError(channel.failure() or "the prefill failed")
-        return payload_to_wire(channel.take())
+        payload = channel.take()
+        if kv_link is None:
+            return payload_to_wire(payload)
+        # The send completes once the decode side receives, which it does after this returns.
+        threading.Thread(target=self._send_kv, args=(kv_link, kv_bytes(payload.kv), tag, address),
+                         name="radixray-kv-send", daemon=True).start()
+        return payload_meta(payload), None
+
+    def _send_kv(self, link: KVLink, data: Any, tag: int, address: LinkAddress) -> None:
+        try:
+            link.send(data, tag)
+        except Exception as e:  # the decode engine went away: a new link next time
+            print(f"radixray: KV send to {address.link_id} failed ({type(e).__name__}: {e})", file=sys.stderr,
+                  flush=True)
+            self._kv_links.drop(address)
 
     def incarnation_id(self) -> str:
         return self.incarnation

@@ -8,14 +8,16 @@ returns the KV as the call's result. A front end sends each request once, to its
 as with unified engines, so streams, aborts, timeouts and `n` work unchanged; a prefill engine
 never holds KV for a decode engine with no room for it.
 
-Backends (`disaggregation_transfer_backend`): "object_store", the call's result travels through
-Ray's object store (one contiguous buffer per transfer, read in place on the same node). The
-transfer is over when the result is stored, so the prefill engine releases the KV into its cache
-at once."""
+Backends (`disaggregation_transfer_backend`): "object_store", the call's result carries the KV
+through Ray's object store (one contiguous buffer per transfer, read in place on the same node);
+"p2p", the result carries only the metadata and the KV goes over a point-to-point link between the
+two engines (actors/kv_link.py: gloo on the CPU, NCCL on CUDA). Either way the prefill engine's KV
+is copied into one buffer when it is handed over, so it returns to the prefill's cache at once."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import warnings
 from collections import OrderedDict
@@ -26,6 +28,7 @@ import numpy as np
 import ray
 import torch
 
+from actors.kv_link import DecodeLinks
 from actors.protocol import KVPayloadMeta
 from engine.config import DisaggregationTransferBackend
 from engine.disaggregation import KVFetch, KVPayload, KVPoll, KVReceiver, LocalKVChannel
@@ -33,24 +36,34 @@ from engine.disaggregation import KVFetch, KVPayload, KVPoll, KVReceiver, LocalK
 MAX_REMEMBERED_RIDS = 65536  # per-request routing hints and failed peers kept (oldest dropped)
 
 
+def payload_meta(payload: KVPayload) -> bytes:
+    """The payload's metadata (msgpack), its KV buffer's shape and dtype included."""
+    kv, state = payload.kv, payload.generator_state
+    return msgspec.msgpack.encode(KVPayloadMeta(
+        start=payload.start, kv_shape=list(kv.shape), kv_dtype=str(kv.dtype).removeprefix("torch."),
+        first_token=payload.first_token, first_logprob=payload.first_logprob,
+        generator_state=state.numpy().tobytes() if state is not None else None,
+        prompt_logprobs=payload.prompt_logprobs, cached_tokens=payload.cached_tokens, sent_at=payload.sent_at))
+
+
+def kv_bytes(kv: torch.Tensor) -> torch.Tensor:
+    """The KV buffer as flat bytes (any dtype, bfloat16 included, crosses as uint8)."""
+    return kv.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def payload_to_wire(payload: KVPayload) -> tuple[bytes, np.ndarray]:
-    """(msgpack metadata, the KV as a uint8 array): any dtype, bfloat16 included, crosses as bytes."""
-    kv = payload.kv.detach().contiguous().cpu()
-    state = payload.generator_state
-    meta = KVPayloadMeta(start=payload.start, kv_shape=list(kv.shape), kv_dtype=str(kv.dtype).removeprefix("torch."),
-                         first_token=payload.first_token, first_logprob=payload.first_logprob,
-                         generator_state=state.numpy().tobytes() if state is not None else None,
-                         prompt_logprobs=payload.prompt_logprobs, cached_tokens=payload.cached_tokens,
-                         sent_at=payload.sent_at)
-    return msgspec.msgpack.encode(meta), kv.reshape(-1).view(torch.uint8).numpy()
+    """For the object store: (msgpack metadata, the KV as a host uint8 array)."""
+    return payload_meta(payload), kv_bytes(payload.kv).cpu().numpy()
 
 
-def payload_from_wire(meta_bytes: bytes, raw: np.ndarray) -> KVPayload:
+def payload_from_wire(meta_bytes: bytes, raw: np.ndarray | torch.Tensor) -> KVPayload:
+    """The payload from its metadata and its KV bytes (a read-only object-store array, or a tensor)."""
     meta = msgspec.msgpack.decode(meta_bytes, type=KVPayloadMeta)
-    with warnings.catch_warnings():  # the object store's buffers are read-only; scatter_kv only reads it
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        flat = torch.from_numpy(raw)
-    kv = flat.view(getattr(torch, meta.kv_dtype)).reshape(meta.kv_shape)
+    if isinstance(raw, np.ndarray):
+        with warnings.catch_warnings():  # the object store's buffers are read-only; scatter_kv only reads them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            raw = torch.from_numpy(raw)
+    kv = raw.view(getattr(torch, meta.kv_dtype)).reshape(meta.kv_shape)
     state = (torch.frombuffer(bytearray(meta.generator_state), dtype=torch.uint8)
              if meta.generator_state is not None else None)
     return KVPayload(start=meta.start, kv=kv, first_token=meta.first_token, first_logprob=meta.first_logprob,
@@ -58,23 +71,50 @@ def payload_from_wire(meta_bytes: bytes, raw: np.ndarray) -> KVPayload:
                      sent_at=meta.sent_at)
 
 
+def kv_nbytes(meta_bytes: bytes) -> int:
+    meta = msgspec.msgpack.decode(meta_bytes, type=KVPayloadMeta)
+    return math.prod(meta.kv_shape) * getattr(torch, meta.kv_dtype).itemsize
+
+
 class RayKVReceiver:
     """The decode side of one transfer: the prefill actor's call, whose result is the payload."""
 
-    def __init__(self, ref: ray.ObjectRef, peer: str, on_failure: Any) -> None:
+    def __init__(self, ref: ray.ObjectRef, peer: str, on_failure: Any, link: Any = None) -> None:
+        """link: (DecodeLinks, LinkAddress, Future of the KVLink, tag) when the KV comes over a
+        point-to-point link rather than in the call's result."""
         self.channel = LocalKVChannel()
         self.ref = ref
         self.peer = peer
         self._on_failure = on_failure  # (peer) -> None: the source avoids it for this request's next try
+        self._link = link
         ref.future().add_done_callback(self._done)
 
     def _done(self, future: Any) -> None:
         try:
             meta, raw = future.result()
-            self.channel.send(payload_from_wire(meta, raw))
         except BaseException as e:  # the prefill engine died, refused, or the call was cancelled
-            self._on_failure(self.peer)
-            self.channel.fail(f"prefill engine {self.peer}: {type(e).__name__}: {str(e)[:200]}")
+            self._failed(e)
+            return
+        if self._link is None:
+            self.channel.send(payload_from_wire(meta, raw))
+            return
+        # The link's receive blocks until the bytes are in: not on Ray's callback thread.
+        threading.Thread(target=self._receive, args=(meta,), name="radixray-kv-recv", daemon=True).start()
+
+    def _receive(self, meta: bytes) -> None:
+        links, address, ready, tag = self._link
+        try:
+            link = ready.result(timeout=links.timeout_s)
+            buffer = torch.empty(kv_nbytes(meta), dtype=torch.uint8, device=links.device)
+            link.recv(buffer, tag)
+            self.channel.send(payload_from_wire(meta, buffer))
+        except BaseException as e:  # the peer died mid-transfer, or the link timed out: a new link next time
+            links.drop(self.peer, address)
+            self._failed(e)
+
+    def _failed(self, error: BaseException) -> None:
+        self._on_failure(self.peer)
+        self.channel.fail(f"prefill engine {self.peer}: {type(error).__name__}: {str(error)[:200]}")
 
     def bootstrap(self, skip: int) -> None:
         self.channel.bootstrap(skip)  # (the fetch carried `skip` already)
@@ -103,9 +143,13 @@ class RayPrefillSource:
     a handle is looked up on first use). A request goes to the one its front end chose (`hint`);
     a fetch after a failure to another one, if there is another."""
 
-    def __init__(self, backend: DisaggregationTransferBackend, namespace: str, peers: list[str] = ()) -> None:
+    def __init__(self, backend: DisaggregationTransferBackend, namespace: str, peers: list[str] = (),
+                 device: torch.device | None = None, timeout_s: float = 60.0) -> None:
+        """device: the engine's (the p2p backend's links are gloo on the CPU, NCCL on CUDA)."""
         self.backend = backend
         self.namespace = namespace
+        self.links = DecodeLinks(ray.util.get_node_ip_address(), device or torch.device("cpu"), timeout_s) \
+            if backend == "p2p" else None
         self._lock = threading.Lock()
         self._handles: dict[str, Any] = {}  # prefill actor name -> handle (None: not looked up yet)
         self._hints: OrderedDict[str, str] = OrderedDict()  # rid -> the peer its front end chose
@@ -168,5 +212,10 @@ class RayPrefillSource:
             failed = LocalKVChannel()
             failed.fail(f"prefill engine {name} not found: {type(e).__name__}")
             return failed
-        ref = handle.prefill_kv.remote(msgspec.msgpack.encode(fetch), kv_rid)
-        return RayKVReceiver(ref, name, self._failed_on(fetch.rid))
+        if self.links is None:
+            ref = handle.prefill_kv.remote(msgspec.msgpack.encode(fetch), kv_rid)
+            return RayKVReceiver(ref, name, self._failed_on(fetch.rid))
+        address, ready = self.links.address(name)
+        tag = self.links.next_tag()
+        ref = handle.prefill_kv.remote(msgspec.msgpack.encode(fetch), kv_rid, msgspec.msgpack.encode(address), tag)
+        return RayKVReceiver(ref, name, self._failed_on(fetch.rid), (self.links, address, ready, tag))

@@ -27,7 +27,7 @@ CpuGraphMode = Literal["auto", "on", "off"]
 DisaggregationMode = Literal["null", "prefill", "decode"]
 # How KV moves between engine actors (actors/kv_transfer.py implements them; an in-process pair
 # passes it by reference whatever this says).
-DisaggregationTransferBackend = Literal["object_store"]
+DisaggregationTransferBackend = Literal["object_store", "p2p"]
 SCHEDULE_POLICIES = get_args(SchedulePolicy)
 ATTENTION_BACKENDS = get_args(AttentionBackendName)
 LINEAR_BACKENDS = get_args(LinearBackend)
@@ -206,7 +206,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     disaggregation_mode: DisaggregationMode = "null"
     disaggregation_transfer_timeout_s: float = 60.0  # a KV transfer not done by then fails (and is retried elsewhere)
     # How KV moves between engine actors (SGLang's flag; its values are this project's): "object_store",
-    # the prefill call's result through Ray's object store (one contiguous buffer per transfer).
+    # the prefill call's result through Ray's object store (one contiguous buffer per transfer); "p2p",
+    # a point-to-point link between the two engines (gloo on the CPU, NCCL on CUDA).
     disaggregation_transfer_backend: DisaggregationTransferBackend = "object_store"
 
     def __post_init__(self) -> None:

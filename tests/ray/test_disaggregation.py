@@ -32,10 +32,13 @@ def cluster_configs(model_dirs) -> dict[str, ClusterConfig]:
         # Overlap on the decode side, chunked prefill on both, n-gram speculation: what a
         # disaggregated pair must keep working.
         "llama": pd("llama", engine={"chunked_prefill_size": 32, "enable_overlap_schedule": True}),
-        "qwen3": pd("qwen3", engine={"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3}),
+        # The p2p backend (a gloo link per engine pair) for the others.
+        "qwen3": pd("qwen3", engine={"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3,
+                                     "disaggregation_transfer_backend": "p2p"}),
         # Two prefill engines: a fetch that fails on one goes to the other; a stalled transfer
         # fails after its deadline.
-        "stories-2p": pd("stories", p=2, request_timeout_s=120, engine={"disaggregation_transfer_timeout_s": 3.0}),
+        "stories-2p": pd("stories", p=2, request_timeout_s=120, engine={"disaggregation_transfer_timeout_s": 3.0,
+                                                                       "disaggregation_transfer_backend": "p2p"}),
     }
 
 

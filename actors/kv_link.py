@@ -1,0 +1,120 @@
+"""Point-to-point KV links: a two-rank torch.distributed process group between a decode engine
+(rank 0, it hosts the rendezvous store) and one prefill engine (rank 1), over gloo on the CPU and
+NCCL on CUDA. The `gloo` transfer backend sends a transfer's KV buffer over it (tagged with the
+transfer's number) while only the metadata travels as the prefill call's Ray result.
+
+A link is set up lazily, on a decode engine's first fetch from that prefill engine: the decode
+side opens the store on a free port and waits for its peer on a thread of its own; the fetch
+carries the address, and the prefill side joins before it sends. A link that fails (its peer
+died, a transfer timed out) is dropped and the next fetch sets up a new one."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from concurrent.futures import Future
+from datetime import timedelta
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+
+class LinkAddress(msgspec.Struct, frozen=True, array_like=True):
+    """Where a decode engine waits for one prefill engine: its store and the link's id."""
+
+    link_id: str
+    host: str
+    port: int
+
+
+class KVLink:
+    """One side of a two-rank group (rank 0: the decode engine, which hosts the store)."""
+
+    def __init__(self, address: LinkAddress, rank: int, device: torch.device, timeout_s: float) -> None:
+        timeout = timedelta(seconds=timeout_s)
+        self.address, self.rank = address, rank
+        self.store = dist.TCPStore(address.host, address.port, 2, rank == 0, timeout=timeout)
+        self.pg = (dist.ProcessGroupNCCL(self.store, rank, 2) if device.type == "cuda"
+                   else dist.ProcessGroupGloo(self.store, rank, 2, timeout))
+
+    def send(self, tensor: torch.Tensor, tag: int) -> None:
+        self.pg.send([tensor.contiguous()], 1 - self.rank, tag).wait()
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> None:
+        self.pg.recv([tensor], 1 - self.rank, tag).wait()
+
+
+def free_address(link_id: str, host: str) -> LinkAddress:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return LinkAddress(link_id, host, s.getsockname()[1])
+
+
+class DecodeLinks:
+    """A decode engine's links, one per prefill engine (by actor name), each a Future that
+    resolves once the peer has joined."""
+
+    def __init__(self, host: str, device: torch.device, timeout_s: float) -> None:
+        self.host, self.device, self.timeout_s = host, device, timeout_s
+        self._lock = threading.Lock()
+        self._links: dict[str, tuple[LinkAddress, Future]] = {}
+        self._ids = itertools.count()
+        self._tags = itertools.count()
+
+    def address(self, peer: str) -> tuple[LinkAddress, Future]:
+        """The link to `peer` (being set up, or up)."""
+        with self._lock:
+            if peer not in self._links:
+                address = free_address(f"{peer}#{next(self._ids)}", self.host)
+                ready: Future = Future()
+
+                def open_link() -> None:
+                    try:
+                        ready.set_result(KVLink(address, 0, self.device, self.timeout_s))
+                    except BaseException as e:  # the peer never came
+                        ready.set_exception(e)
+                        self.drop(peer, address)
+
+                threading.Thread(target=open_link, name="radixray-kv-link", daemon=True).start()
+                self._links[peer] = (address, ready)
+            return self._links[peer]
+
+    def next_tag(self) -> int:
+        return next(self._tags)
+
+    def drop(self, peer: str, address: LinkAddress) -> None:
+        """The link failed: the next fetch from `peer` sets up another."""
+        with self._lock:
+            if peer in self._links and self._links[peer][0] == address:
+                del self._links[peer]
+
+
+class PrefillLinks:
+    """A prefill engine's links, one per decode engine's link id."""
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self.device, self.timeout_s = device, timeout_s
+        self._lock = threading.Lock()
+        self._links: dict[str, Future] = {}
+
+    def join(self, address: LinkAddress) -> KVLink:
+        """The link to the decode engine waiting at `address` (joined on first use; blocks)."""
+        with self._lock:
+            ready = self._links.get(address.link_id)
+            first = ready is None
+            if first:
+                ready = self._links[address.link_id] = Future()
+        if first:
+            try:
+                ready.set_result(KVLink(address, 1, self.device, self.timeout_s))
+            except BaseException as e:
+                ready.set_exception(e)
+                with self._lock:
+                    self._links.pop(address.link_id, None)
+        return ready.result()
+
+    def drop(self, address: LinkAddress) -> None:
+        with self._lock:
+            self._links.pop(address.link_id, None)
