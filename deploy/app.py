@@ -48,7 +48,8 @@ log = logging.getLogger("radixray.http")
 # autoscalers) instead of restarting every replica with new arguments.
 FLEET_SIZE_FIELDS = ("num_engines", "prefill_engines", "decode_engines", "frontends", "max_frontends", "min_engines", "max_engines",
                      "target_requests_per_frontend", "target_waiting_per_engine", "target_kv_use",
-                     "upscale_delay_s", "downscale_delay_s")
+                     "upscale_delay_s", "downscale_delay_s", "max_prefill_engines", "max_decode_engines",
+                     "target_waiting_tokens_per_prefill_engine")
 SSE_KEEPALIVE_S = 1.0  # longest silence on a stream while tokens without text are generated
 CHUNK_END = b"}\n\n"  # closes an event whose choices (and usage) follow the shared head
 

@@ -267,7 +267,9 @@ class EngineServer:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The autoscaling signals of this engine (see EngineAutoscaler)."""
         s = (await self.engine.stats.remote()).engine
-        return {"waiting": float(s.waiting), "running": float(s.running),
+        # A decode engine's requests waiting for KV memory or for their KV are waiting too.
+        return {"waiting": float(s.waiting + s.prealloc_queue), "running": float(s.running),
+                "waiting_tokens": float(s.waiting_prompt_tokens),
                 "kv_use": s.kv_used / s.kv_total if s.kv_total else 0.0}
 
     async def stats(self) -> bytes:
@@ -304,17 +306,20 @@ class EngineAutoscaler:
     Whole DP groups at a time (gang_size). Serve applies the up/down delays."""
 
     def __init__(self, target_waiting_per_engine: float = 2.0, target_kv_use: float = 0.85,
-                 gang_size: int = 1) -> None:
+                 gang_size: int = 1, waiting_metric: str = "waiting") -> None:
+        """waiting_metric: what waits, "waiting" (requests) or "waiting_tokens" (prompt tokens: a
+        prefill pool's load)."""
         self.target_waiting = target_waiting_per_engine
         self.target_kv = target_kv_use
         self.gang = gang_size
+        self.metric = waiting_metric
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         n = ctx.current_num_replicas
         metrics = ctx.aggregated_metrics or {}
-        if n == 0 or "waiting" not in metrics:
+        if n == 0 or self.metric not in metrics:
             return ctx.target_num_replicas, {}
-        waiting = sum(metrics.get("waiting", {}).values())
+        waiting = sum(metrics.get(self.metric, {}).values())
         running = sum(metrics.get("running", {}).values())
         kv = metrics.get("kv_use", {})
         kv_mean = sum(kv.values()) / max(len(kv), 1)
@@ -362,18 +367,24 @@ def engine_deployment(cluster: Any, options: FleetOptions, role: str = "null") -
     }
     if gang > 1:
         opts["gang_scheduling_config"] = {"gang_size": gang}
-    if role != "null":  # fixed pools (per-pool autoscaling is not built yet)
-        opts["num_replicas"] = cluster.prefill_engines if role == "prefill" else cluster.decode_engines
-        return serve.deployment(EngineServer, name=f"{role.capitalize()}Server", **opts)
-    if options.autoscaled:
+    name, size, most, waiting = "EngineServer", cluster.num_engines, options.max_engines, {}
+    if role == "prefill":  # a disaggregated fleet's pools, each a deployment on its own signals
+        name, size, most = "PrefillServer", cluster.prefill_engines, options.max_prefill_engines
+        waiting = {"waiting_metric": "waiting_tokens",
+                   "target_waiting_per_engine": options.target_waiting_tokens_per_prefill_engine}
+    elif role == "decode":
+        name, size, most = "DecodeServer", cluster.decode_engines, options.max_decode_engines
+    elif options.autoscaled:
+        size = options.min_engines
+    if most is not None:
         opts["autoscaling_config"] = {
-            "min_replicas": options.min_engines, "max_replicas": options.max_engines,
-            "initial_replicas": options.min_engines, "metrics_interval_s": 1.0, "look_back_period_s": 2.0,
+            "min_replicas": size, "max_replicas": most,
+            "initial_replicas": size, "metrics_interval_s": 1.0, "look_back_period_s": 2.0,
             "upscale_delay_s": options.upscale_delay_s, "downscale_delay_s": options.downscale_delay_s,
             "policy": {"policy_function": EngineAutoscaler, "policy_kwargs": {
                 "target_waiting_per_engine": options.target_waiting_per_engine,
-                "target_kv_use": options.target_kv_use, "gang_size": gang}},
+                "target_kv_use": options.target_kv_use, "gang_size": gang, **waiting}},
         }
     else:
-        opts["num_replicas"] = cluster.num_engines
-    return serve.deployment(EngineServer, name="EngineServer", **opts)
+        opts["num_replicas"] = size
+    return serve.deployment(EngineServer, name=name, **opts)

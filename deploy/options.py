@@ -38,6 +38,12 @@ class FleetOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # stops after its last request, or at drain_timeout_s (the rest then end with an error).
     drain_reroute_after_s: float = 10.0
     drain_timeout_s: float = 120.0  # a draining engine stops at this point at the latest
+    # Prefill/decode disaggregation: set, a pool autoscales between its size (prefill_engines,
+    # decode_engines) and this, on its own signals (prefill: prompt tokens waiting per engine;
+    # decode: waiting requests and pre-allocations, and KV use, as target_waiting_per_engine and target_kv_use).
+    max_prefill_engines: int | None = None  # disaggregation: the prefill pool autoscales up to this many engines
+    max_decode_engines: int | None = None  # disaggregation: the decode pool autoscales up to this many engines
+    target_waiting_tokens_per_prefill_engine: float = 4096.0  # prefill pool autoscaling target: prompt tokens waiting per engine
 
     def __post_init__(self) -> None:
         if self.frontends < 1:
@@ -110,8 +116,12 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
         cluster = ClusterConfig.from_kwargs(strict=False, **args, engine=engine)
         fleet_options = build_config(FleetOptions, "fleet", fleet, strict=False)
         if cluster.disaggregated and fleet_options.autoscaled:
-            raise ConfigError("prefill and decode pools are not autoscaled yet: set prefill_engines and "
-                              "decode_engines without min_engines/max_engines")
+            raise ConfigError("min_engines/max_engines size unified engines; a disaggregated fleet's pools "
+                              "autoscale up to max_prefill_engines and max_decode_engines")
+        for pool, size, most in (("prefill", cluster.prefill_engines, fleet_options.max_prefill_engines),
+                                 ("decode", cluster.decode_engines, fleet_options.max_decode_engines)):
+            if most is not None and (not cluster.disaggregated or most < size):
+                raise ConfigError(f"max_{pool}_engines needs {pool}_engines set, and at most max_{pool}_engines")
         if cluster.enable_dp_attention and fleet_options.autoscaled:
             size = cluster.dp_group_size or cluster.num_engines
             if fleet_options.min_engines % size or fleet_options.max_engines % size:

@@ -84,6 +84,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     caller that cannot reach an engine reports one built from the defaults."""
 
     waiting: int = 0  # queued requests, a chunked prefill in progress included
+    waiting_prompt_tokens: int = 0  # the prompt tokens those still have to compute (or fetch)
     running: int = 0  # requests in the decode batch
     kv_used: int = 0  # KV slots held by requests
     kv_total: int = 0
@@ -482,6 +483,8 @@ class Engine:
         s = self.scheduler
         return EngineStats(
             waiting=len(s.waiting_queue) + (1 if s.chunked_req else 0),
+            waiting_prompt_tokens=sum(len(r.origin_input_ids) for r in s.waiting_queue)
+            + (len(s.chunked_req.fill_ids) - s.chunked_req.kv_len if s.chunked_req else 0),
             running=len(s.running_batch.reqs),
             kv_used=s.cache.used_size(),
             kv_total=s.cache.total_size,

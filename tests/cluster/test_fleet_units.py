@@ -148,6 +148,41 @@ def test_autoscaler_grows_on_queues_and_kv_and_shrinks_when_light():
     assert gang(ctx(4, [0] * 4, [0] * 4, [0] * 4), )[0] == 2
 
 
+def test_prefill_pool_scales_on_waiting_prompt_tokens():
+    policy = EngineAutoscaler(target_waiting_per_engine=4096, target_kv_use=0.8, waiting_metric="waiting_tokens")
+    busy = ctx(1, [1], [0], [0.2])
+    busy.aggregated_metrics["waiting_tokens"] = {0: 12000.0}  # three engines' worth of prompts
+    assert policy(busy)[0] == 3
+    calm = ctx(2, [1, 1], [0, 0], [0.2, 0.2])
+    calm.aggregated_metrics["waiting_tokens"] = {0: 5000.0, 1: 0.0}  # more than one engine's worth: stay
+    assert policy(calm)[0] == 2
+    calm.aggregated_metrics["waiting_tokens"] = {0: 1000.0, 1: 0.0}  # one engine would do
+    assert policy(calm)[0] == 1
+
+
+def test_pool_autoscaling_deploys_each_pool_on_its_own_signal():
+    from deploy.app import build_app
+    from deploy.engines import engine_deployment
+    from deploy.options import AppArgs
+
+    args = AppArgs.from_dict({"prefill_engines": 1, "decode_engines": 2, "max_prefill_engines": 3,
+                              "max_decode_engines": 4})
+    prefill = engine_deployment(args.cluster, args.fleet, "prefill")
+    decode = engine_deployment(args.cluster, args.fleet, "decode")
+    assert prefill.name == "PrefillServer" and decode.name == "DecodeServer"
+    p, d = prefill._deployment_config.autoscaling_config, decode._deployment_config.autoscaling_config
+    assert (p.min_replicas, p.max_replicas, d.min_replicas, d.max_replicas) == (1, 3, 2, 4)
+    assert p.policy.policy_kwargs["waiting_metric"] == "waiting_tokens"
+    assert "waiting_metric" not in d.policy.policy_kwargs
+    assert type(build_app({"prefill_engines": 1, "decode_engines": 1})).__name__ == "Application"
+    with pytest.raises(ConfigError, match="max_prefill_engines"):
+        AppArgs.from_dict({"max_prefill_engines": 2})
+    with pytest.raises(ConfigError, match="max_decode_engines"):
+        AppArgs.from_dict({"prefill_engines": 1, "decode_engines": 3, "max_decode_engines": 2})
+    with pytest.raises(ConfigError, match="min_engines/max_engines"):
+        AppArgs.from_dict({"prefill_engines": 1, "decode_engines": 1, "min_engines": 1, "max_engines": 2})
+
+
 def test_fleet_options_are_checked():
     with pytest.raises(ConfigError, match="together"):
         FleetOptions(min_engines=1)
