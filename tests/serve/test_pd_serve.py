@@ -54,3 +54,25 @@ def test_prefill_and_decode_pools_answer_as_one_engine(pd_base):
                                  metrics, re.M)
     assert decode_transfers and int(decode_transfers.group(1)) >= 4, metrics[-2000:]
     assert re.search(r'^radixray_engine_role\{engine="\d+",role="prefill",', metrics, re.M)
+
+
+def test_the_readme_recipe_parses_and_builds():
+    """The README's disaggregation command, as written: its flags parse and the app builds (a
+    PrefillServer and a DecodeServer deployment of one engine each)."""
+    import shlex
+
+    from cluster.__main__ import serve_parser
+    from cluster.cli import given
+    from deploy.options import AppArgs
+    from tests.conftest import ROOT, data_path
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n### Prefill/decode disaggregation"):]
+    argv = shlex.split(re.search(r"```bash\n(.*?)```", section, re.S).group(1).strip())
+    assert argv[:4] == ["python3", "-m", "cluster", "serve"]
+    argv = [str(data_path("models/stories260K")) if a == "../shared/models/stories260K" else a for a in argv[4:]]
+    ap, fields = serve_parser()
+    flat = given(ap.parse_args(argv), fields)
+    parsed = AppArgs.from_dict(flat)
+    assert (parsed.cluster.prefill_engines, parsed.cluster.decode_engines) == (1, 1)
+    assert type(build_app(flat)).__name__ == "Application"
