@@ -66,7 +66,9 @@ class SharedApps:
 
         if name in self.live:
             self.live.discard(name)
-            serve.delete(name)
+            # Without waiting: its replicas stop (each engine drains first) while the next tests
+            # run; an app deployed meanwhile waits for the CPUs its engines still hold.
+            serve.delete(name, _blocking=False)
 
     def after(self, item: pytest.Item) -> None:
         """Delete the apps whose last user in the session's order is `item`."""
