@@ -23,7 +23,9 @@ pytestmark = pytest.mark.serve
 
 # ---- Cluster.stream_ids, with a fake engine (no Ray) -------------------------------------------
 class _FakeRouter:
-    def pick(self, input_ids, cost, exclude=frozenset()):
+    disaggregated = False
+
+    def pick(self, input_ids, cost, exclude=frozenset(), pool=None):
         return 0
 
     def done(self, idx, cost, input_ids):
@@ -62,6 +64,9 @@ async def _stream(cl: Cluster, feed) -> list[tuple[float, StreamDelta]]:
 
     reader = asyncio.create_task(read())
     while cl.channels.engine_of("r") is None:
+        if reader.done():  # it failed before subscribing: its error, not a hang
+            reader.result()
+            raise AssertionError("stream_ids ended before subscribing")
         await asyncio.sleep(0.001)
     await feed(lambda d: cl.channels.deliver_batch([d], 0))
     await asyncio.wait_for(reader, timeout=30)
