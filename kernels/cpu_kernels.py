@@ -19,8 +19,8 @@ round as torch's separate ops do (the build disables FMA contraction; the GEMM u
 FMAs), bfloat16 results are rounded where torch rounds them.
 
 The C++ lives in kernels/csrc/ (attention.cpp, gemm.cpp, rowwise.cpp, bindings.cpp, common.h).
-Built with torch.utils.cpp_extension (g++ and ninja needed) into a folder keyed by the sources,
-their folder, flags, torch version and CPU; `load()` returns None when that is not possible and callers fall
+Built with torch.utils.cpp_extension (g++ and ninja needed) from a copy of the sources in a folder
+keyed by their contents, the flags, torch version and CPU (so every checkout shares it); `load()` returns None when that is not possible and callers fall
 back to torch. Set RADIXRAY_CPU_KERNELS=0 to disable it."""
 
 from __future__ import annotations
@@ -92,10 +92,10 @@ def source_files(csrc: str | None = None) -> list[str]:
 
 
 def build_digest(csrc: str | None = None) -> str:
-    """The build folder's key: the C++ files (names and contents), the unity file's text, flags,
-    torch version and CPU. The unity file includes the sources by absolute path, so two checkouts
-    (a git worktree) would otherwise share a folder and rewrite its unity file, each rebuilding."""
-    h = hashlib.sha256(unity_text(csrc).encode())
+    """The build folder's key: the C++ files (names and contents), flags, torch version and CPU;
+    not where they are: every checkout, and every `ray job submit` working directory (a new
+    path each job), shares one build of the same sources."""
+    h = hashlib.sha256()
     for path in source_files(csrc):
         with open(path, "rb") as f:
             h.update(f"{os.path.basename(path)}\n".encode() + f.read() + b"\n")
@@ -122,26 +122,38 @@ def _build():
         return None
 
 
-def unity_text(csrc: str | None = None) -> str:
-    """The one translation unit the build compiles: an #include of each source, by absolute path
-    (compiler errors name the source file and its line)."""
-    csrc = csrc or CSRC
-    return "".join(f'#include "{os.path.join(csrc, f)}"\n' for f in SOURCES)
+STAGED = "src"  # the build folder's copy of the sources (what the unity file includes)
+
+
+def unity_text() -> str:
+    """The one translation unit the build compiles: an #include of each source's copy in the build
+    folder (compiler errors name the copy, whose lines are the source's)."""
+    return "".join(f'#include "{STAGED}/{f}"\n' for f in SOURCES)
+
+
+def _write_if_changed(path: str, data: bytes) -> None:
+    """Rewritten only when it differs (a newer file would make ninja rebuild); atomically."""
+    try:
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return
+    except OSError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
 
 
 def _unity_source(build_dir: str) -> str:
+    """Copy the sources into the build folder (keyed by their contents, so the copies are the
+    same for every checkout) and write the unity file beside them."""
+    os.makedirs(os.path.join(build_dir, STAGED), exist_ok=True)
+    for src in source_files():
+        with open(src, "rb") as f:
+            _write_if_changed(os.path.join(build_dir, STAGED, os.path.basename(src)), f.read())
     path = os.path.join(build_dir, "cpu_kernels_unity.cpp")
-    text = unity_text()
-    try:
-        with open(path) as f:
-            current = f.read()
-    except OSError:
-        current = None
-    if current != text:  # rewritten only when it differs: a newer file would make ninja rebuild
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+    _write_if_changed(path, unity_text().encode())
     return path
 
 

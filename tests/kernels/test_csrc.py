@@ -17,11 +17,11 @@ def test_the_build_compiles_the_files_in_csrc():
     files = {os.path.basename(p) for p in cpu_kernels.source_files()}
     assert set(cpu_kernels.SOURCES) <= files and "common.h" in files
     # Every .cpp is compiled (a file left out would leave its operators undefined), each included
-    # by its real path into the one unit the build compiles, so errors name it and its line.
+    # from the build folder's copy into the one unit the build compiles.
     assert {f for f in files if f.endswith(".cpp")} == set(cpu_kernels.SOURCES)
     unity = cpu_kernels.unity_text()
     for name in cpu_kernels.SOURCES:
-        assert f'#include "{os.path.join(cpu_kernels.CSRC, name)}"' in unity
+        assert f'#include "{cpu_kernels.STAGED}/{name}"' in unity
     assert not hasattr(cpu_kernels, "_SOURCE")  # no C++ kept in a Python string
 
 
@@ -29,10 +29,8 @@ def test_the_build_key_changes_with_any_source_file(tmp_path, monkeypatch):
     csrc = tmp_path / "csrc"
     shutil.copytree(cpu_kernels.CSRC, csrc)
     here = cpu_kernels.build_digest(str(csrc))
-    # Another checkout builds in a folder of its own: the unity file names the sources by path, so
-    # a shared folder would have its unity file rewritten, and rebuilt, by each checkout in turn.
-    assert here != cpu_kernels.build_digest()
-    assert str(csrc) in cpu_kernels.unity_text(str(csrc))
+    # Another checkout (or a job's working directory) with the same sources shares the build.
+    assert here == cpu_kernels.build_digest()
     for name in ("attention.cpp", "common.h"):
         path = csrc / name
         text = path.read_text()
@@ -45,6 +43,21 @@ def test_the_build_key_changes_with_any_source_file(tmp_path, monkeypatch):
     (csrc / "extra.h").unlink()
     monkeypatch.setattr(cpu_kernels, "cpu_signature", lambda: "x86_64 other-cpu sse2")
     assert cpu_kernels.build_digest(str(csrc)) != here  # the CPU stays in the key
+
+
+def test_the_build_folder_holds_the_sources_it_compiles(tmp_path):
+    """The unity file includes copies staged in the build folder; staging again writes nothing
+    (an unchanged file keeps its time, so ninja does not rebuild), a changed source is copied."""
+    unity = cpu_kernels._unity_source(str(tmp_path))
+    staged = tmp_path / cpu_kernels.STAGED
+    for src in cpu_kernels.source_files():
+        assert (staged / os.path.basename(src)).read_bytes() == open(src, "rb").read()
+    times = {p.name: p.stat().st_mtime_ns for p in staged.iterdir()} | {"unity": os.stat(unity).st_mtime_ns}
+    cpu_kernels._unity_source(str(tmp_path))
+    assert times == {p.name: p.stat().st_mtime_ns for p in staged.iterdir()} | {"unity": os.stat(unity).st_mtime_ns}
+    (staged / "common.h").write_text("stale")
+    cpu_kernels._unity_source(str(tmp_path))
+    assert (staged / "common.h").read_bytes() == open(os.path.join(cpu_kernels.CSRC, "common.h"), "rb").read()
 
 
 def test_the_sources_are_package_data():

@@ -58,10 +58,9 @@ def test_ray_job_submit_recipe(tmp_path):
     ]
     (repo / "prompts.jsonl").write_text("\n".join(lines) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}
-    # The job runs from the working directory Ray unpacked for it, a new path each run, where the
-    # CPU kernels (their build folder is keyed by the sources' path) would be compiled again each
-    # time; the recipe is about the job, and tests/kernels tests the kernels.
-    env |= {"HOME": str(home), "RADIXRAY_CACHE_DIR": cache_dir(), "RADIXRAY_CPU_KERNELS": "0"}
+    # The session's cache: the job runs from the working directory Ray unpacked for it, a new path
+    # each run, and shares the CPU kernels' build (keyed by the sources' contents) with the checkout.
+    env |= {"HOME": str(home), "RADIXRAY_CACHE_DIR": cache_dir()}
     script = "ip link set lo up\nset -euo pipefail\n" + readme_block("Offline batch jobs")
     r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "--net", "bash", "-c", script], cwd=repo,
                        env=env, capture_output=True, text=True, timeout=900)
