@@ -40,6 +40,9 @@ from engine.logs import log_to_stderr
 log = logging.getLogger("radixray.engines")
 LEASE_S = 10.0  # an engine that has not renewed its lease for this long has left the fleet
 RENEW_PERIOD_S = 1.0
+# A stopping engine's calls to the registry: a live one answers at once; when the whole app is
+# deleted it is gone, and each call waits this long (the lease would expire anyway).
+REGISTRY_CALL_S = 1.0
 
 
 class GenerateCall(msgspec.Struct, frozen=True):
@@ -281,8 +284,9 @@ class EngineServer:
             return
         self._state = "draining"
         try:
-            # Bounded: when the whole app is deleted the registry may be gone already.
-            await asyncio.wait_for(self.fleet.renew.remote(self.key, state="draining"), timeout=5)
+            # Bounded: when the whole app is deleted the registry may be gone already (a live one
+            # answers in milliseconds).
+            await asyncio.wait_for(self.fleet.renew.remote(self.key, state="draining"), timeout=REGISTRY_CALL_S)
         except Exception as e:  # the lease thread sends the state again
             log.warning("engine %d could not announce its drain: %s", self.engine_id, type(e).__name__)
         try:
@@ -293,7 +297,7 @@ class EngineServer:
             log.warning("engine %d drain failed: %s", self.engine_id, type(e).__name__)
         self._stop.set()
         try:
-            await asyncio.wait_for(self.fleet.leave.remote(self.key), timeout=5)
+            await asyncio.wait_for(self.fleet.leave.remote(self.key), timeout=REGISTRY_CALL_S)
         except Exception as e:  # the registry is gone too (the app is being deleted): the lease expires
             log.warning("engine %d could not leave the fleet: %s", self.engine_id, type(e).__name__)
         finally:
