@@ -44,7 +44,9 @@ def test_n_choices_share_one_prefill(client, surface):
     ids = httpx.post(f"{surface}/tokenize", json={"prompt": prompt}).json()["tokens"]
     held = [cached_prefix(e, ids) for e in engines]  # what earlier tests left (the BOS token, say)
     before = [s.engine for s in ray.get([e.stats.remote() for e in engines])]
-    out = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=8, temperature=0.8, seed=7)
+    # ignore_eos: the prompt is new each run, and a sampled EOS would end a choice early.
+    out = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=8, temperature=0.8, seed=7,
+                                    extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     assert len({c.text for c in out.choices}) > 1  # each choice has its own seed stream
     after = [s.engine for s in ray.get([e.stats.remote() for e in engines])]
@@ -59,7 +61,8 @@ def test_n_choices_share_one_prefill(client, surface):
     # three find all but its last token.
     assert after[e].cached_tokens - before[e].cached_tokens == min(held[e], prompt_len - 1) + 3 * (prompt_len - 1)
     assert out.usage.completion_tokens == 32 and out.usage.prompt_tokens_details.cached_tokens == prompt_len - 1
-    again = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=8, temperature=0.8, seed=7)
+    again = client.completions.create(model="tiny", prompt=prompt, n=4, max_tokens=8, temperature=0.8, seed=7,
+                                      extra_body={"ignore_eos": True})
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
 
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3,
