@@ -18,6 +18,7 @@ other on one."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
@@ -264,6 +265,7 @@ class Router:
         self.exact = isinstance(self.policy, KVEvents)
         self.loads = [EngineLoad() for _ in range(self.num_engines)]
         self.roles = ["null"] * self.num_engines
+        self._prefill_policy: RoutingPolicy | None = None
         self.trees = [PrefixTree(self.kv_capacity) for _ in range(self.num_engines)]
         self.kv_index = KVIndex(self.num_engines)
 
@@ -274,6 +276,15 @@ class Router:
     def disaggregated(self) -> bool:
         """Prefill/decode disaggregation: a request goes to a decode engine and a prefill engine."""
         return "prefill" in self.roles
+
+    def _policy(self, pool: str | None) -> RoutingPolicy:
+        """The policy for a pool: the prefill pool has its own instance, so a stateful policy
+        (round robin's turn) takes turns within each pool, not across the two picks of a request."""
+        if pool != "prefill":
+            return self.policy
+        if self._prefill_policy is None:
+            self._prefill_policy = copy.deepcopy(self.policy)
+        return self._prefill_policy
 
     def add_engine(self, kv_capacity: int, role: str = "null") -> int:
         """A new engine joined (indices are never reused); returns its index. role: its
@@ -322,7 +333,7 @@ class Router:
                       and (self.roles[i] == pool if pool else self.roles[i] != "prefill")]
         if not candidates:
             return None
-        choice = self.policy.choose(self, input_ids, candidates)
+        choice = self._policy(pool).choose(self, input_ids, candidates)
         if self.exact:
             matched = self.kv_index.match_with_in_flight(choice, input_ids)
             self.kv_index.in_flight[choice].add(input_ids)

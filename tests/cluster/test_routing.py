@@ -235,3 +235,21 @@ def test_a_missed_heartbeat_keeps_the_engines_capacity():
     assert r.trees[engine].size <= 2200
     r.forget(engine)
     assert r.trees[engine].capacity == 2200 and r.trees[engine].size == 0
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_load", "cache_aware", "kv_events"])
+def test_disaggregated_requests_pick_a_decode_engine_and_a_prefill_engine(policy):
+    """A prefill engine is never a request's own engine; the prefill pool has its own policy
+    state, so round robin turns over the decode engines too (a shared turn would alternate
+    between the request's two picks and land every request on one decode engine)."""
+    r = Router(policy, 0)
+    for role in ("prefill", "decode", "prefill", "decode"):
+        r.add_engine(1000, role)
+    assert r.disaggregated
+    picks = []
+    for i in range(8):
+        ids = [100 * i + k for k in range(4)]  # nothing shared: cache affinity does not decide
+        decode, prefill = r.pick(ids, 10), r.pick(ids, 4, pool="prefill")
+        picks.append((decode, prefill))
+    assert {d for d, _ in picks} == {1, 3} and {p for _, p in picks} == {0, 2}, picks
+    assert not Router("round_robin", 2).disaggregated
