@@ -44,11 +44,12 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             two independent engines; the same 32 requests: output tokens/s, weight bytes per
             engine, time in collectives and bytes each member sent per group step, rows (tokens)
             per group step.
-  pd        prefill/decode disaggregation (cluster/bench_pd.py): 8 streaming decodes (320 tokens each)
-            while six 2,000-token prompts arrive 2 s apart, on 1 prefill + 1 decode engine vs 2 unified
-            engines: decode ITL p50/p99, TTFT p50/p99, output tokens/s, KV transfer ms and bytes per
-            1,000 prompt tokens; floors: ITL p99 <= 0.5x unified, throughput >= 0.8x. `--plot` writes
-            the ITL and TTFT distributions as a PNG.
+  pd        prefill/decode disaggregation (cluster/bench_pd.py): 8 streaming decodes (600 tokens each)
+            while sixteen 1,024-token prompts (a shared 256-token system prompt + 768 of their own)
+            arrive 1.5 s apart, on 1 prefill + 1 decode engine vs 2
+            unified engines (chunked prefill 256 on all): decode ITL p50/p99, TTFT p50/p99, output
+            tokens/s, KV transfer ms and bytes per 1,000 prompt tokens; floors: ITL p99 <= 0.5x
+            unified, throughput >= 0.8x. `--plot` writes the ITL and TTFT distributions as a PNG.
   batch     the offline batch job on a 2,000-row multi-tenant shared-prefix JSONL (16 tenants' 256-byte
             prefixes, 32 output tokens), 2 engines: the Ray Data job vs the driver-loop job it replaced
             (`cluster.bench_driver_loop.run_driver_loop`) vs `Cluster.generate` on the same prompts: rows/s,

@@ -1,8 +1,10 @@
 """`python -m cluster.bench --cases pd`: prefill/decode disaggregation against unified engines.
 
 The same offered load, side by side in one run, on 1 prefill + 1 decode engine and on 2 unified
-engines (one CPU each): a steady set of streaming decodes (short prompts, long outputs) while long
-prompts arrive one after another. On unified engines every long prompt's prefill shares the
+engines (one CPU each, chunked prefill of 256 tokens on every engine): 8 streaming decodes (short
+prompts, 600 output tokens) while sixteen 1,024-token prompts arrive 1.5 s apart, each a shared
+256-token system prompt and 768 tokens of its own (about what one prefill engine computes in that
+time here). On unified engines every long prompt's prefill shares the
 engine's steps with the decodes there (chunk by chunk); on the decode engine of a disaggregated
 pair a prompt arrives as KV and costs the decodes only its copy into the pool."""
 
@@ -19,6 +21,8 @@ from cluster import Cluster, ClusterConfig
 from engine import SamplingParams
 from engine.bench import BENCH_ARCH, random_prompts
 
+PD_CHUNK = 256  # chunked_prefill_size of every engine in the pd case
+
 
 def _percentile(xs: list[float], p: float) -> float:
     xs = sorted(xs)
@@ -29,11 +33,17 @@ def pd_workload(scale: float) -> dict:
     """Streams (prompt, output tokens) and long prompts (prompt, output tokens, arrival time)."""
     rng = random.Random(27)
     vocab = BENCH_ARCH["vocab_size"]
-    streams, stream_out = max(2, int(8 * scale)), max(32, int(320 * scale))
-    longs, long_len = max(2, int(6 * scale)), max(256, int(2000 * scale))
-    gap = 2.0 * max(scale, 0.25)
+    streams, stream_out = max(2, int(8 * scale)), max(64, int(600 * scale))
+    # A long prompt every 1.5 s, about what one prefill engine (one CPU) sustains at this length,
+    # and often enough that each unified engine stalls its streams more than once per 100 tokens.
+    longs, long_len = max(2, int(16 * scale)), max(320, int(1024 * scale))
+    gap = 1.5 * max(scale, 0.25)
+    # The long prompts open with one 256-token system prompt: both caches hold it after the first,
+    # so the prefill computes, and the decode engine receives, only the rest.
+    system = random_prompts(1, 256, 256, vocab, rng)[0]
+    rest = random_prompts(longs, long_len - len(system), long_len - len(system), vocab, rng)
     return {"streams": [(p, stream_out) for p in random_prompts(streams, 48, 64, vocab, rng)],
-            "longs": [(p, 16, 1.0 + i * gap) for i, p in enumerate(random_prompts(longs, long_len, long_len, vocab, rng))]}
+            "longs": [(system + p, 16, 1.0 + i * gap) for i, p in enumerate(rest)]}
 
 
 async def _one(cl: Cluster, ids: list[int], out: int, delay: float, t0: float, rec: dict) -> None:
@@ -81,11 +91,13 @@ def run_load(cfg: ClusterConfig, load: dict) -> dict:
             "wire_ms": 1000 * sum(e.kv_wire_seconds for e in decode) / max(transfers, 1),
             "bytes_per_1k": sum(e.kv_transfer_bytes for e in decode) * 1000 / prompt_tokens,
             "skipped_tokens": sum(e.kv_skipped_tokens for e in decode),
+            "bytes_per_token": sum(e.kv_transfer_bytes for e in decode) / max(sum(e.kv_transfer_tokens for e in decode), 1),
             "roles": [s.role for s in stats.engines]}
 
 
 def _summary(r: dict) -> str:
-    return (f"ITL p50={1000 * statistics.median(r['itl']):.0f} ms p99={1000 * _percentile(r['itl'], 0.99):.0f} ms  "
+    return (f"ITL p50={1000 * statistics.median(r['itl']):.0f} ms p99={1000 * _percentile(r['itl'], 0.99):.0f} ms "
+            f"p99.9={1000 * _percentile(r['itl'], 0.999):.0f} ms max={1000 * max(r['itl']):.0f} ms  "
             f"TTFT stream p50={1000 * statistics.median(r['ttft_stream']):.0f} ms "
             f"long p50={1000 * statistics.median(r['ttft_long']):.0f} ms p99={1000 * _percentile(r['ttft_long'], 0.99):.0f} ms  "
             f"out={r['tokens_per_s']:.1f} tok/s")
@@ -115,8 +127,10 @@ def plot(results: dict[str, dict], path: str) -> None:
 
 def case_pd(path: str, scale: float, plot_path: str | None = None) -> None:
     load = pd_workload(scale)
+    # Chunked prefill on every engine (both setups alike), as served engines run it: a long prompt
+    # shares a unified engine's steps with its decodes a chunk at a time.
     base = dict(model_path=path, device="cpu", cpus_per_engine=1, torch_threads_per_engine=1, stream_interval_s=0.0,
-                engine={"max_total_tokens": 32768})
+                engine={"max_total_tokens": 32768, "chunked_prefill_size": PD_CHUNK})
     results = {"2 unified": run_load(ClusterConfig(num_engines=2, **base), load),
                "1 prefill + 1 decode": run_load(ClusterConfig(prefill_engines=1, decode_engines=1, **base), load)}
     uni, pd = results["2 unified"], results["1 prefill + 1 decode"]
@@ -127,7 +141,8 @@ def case_pd(path: str, scale: float, plot_path: str | None = None) -> None:
           f"{pd['tokens_per_s'] / uni['tokens_per_s']:.2f}x (floor >= 0.8x)  transfers={pd['transfers']}: "
           f"{pd['wire_ms']:.1f} ms each from hand-over to in place ({pd['fetch_ms']:.0f} ms from fetch, the prefill "
           f"included), {pd['bytes_per_1k'] / 1e6:.2f} MB per 1,000 prompt tokens  "
-          f"decode-side prefix hits saved {pd['skipped_tokens']} tokens", flush=True)
+          f"decode-side prefix hits saved {pd['skipped_tokens']} tokens "
+          f"({pd['skipped_tokens'] * pd['bytes_per_token'] / 1e6:.1f} MB)", flush=True)
     if plot_path:
         os.makedirs(os.path.dirname(plot_path) or ".", exist_ok=True)
         plot(results, plot_path)

@@ -215,10 +215,11 @@ class Cluster:
                                      engine=EngineStats(kv_total=e.info.max_total_tokens))
             engines.append(s)
         dp_groups: list[DPGroupStats] = []
-        if self.coordinators:  # attention-DP: groups are runs of dp_group_size consecutive engines
-            size = self.config.dp_group_size or self.config.num_engines
+        if self.coordinators:  # attention-DP: groups are runs of dp_size consecutive engines of dp_span
+            first, count = self.config.dp_span
             for i, s in enumerate(engines):
-                s.dp_group = i // size
+                if first <= i < first + count:
+                    s.dp_group = (i - first) // self.config.dp_size
             with contextlib.suppress(Exception):  # a restarting coordinator: the engines still report
                 dp_groups = self.dp_stats()
         with self._lock:

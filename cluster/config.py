@@ -95,8 +95,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             if key in self.engine:
                 raise ConfigError(f"set {key!r} on the cluster, not in engine overrides")
         self.engine_config()  # validates the overrides' names and values now
-        if self.dp_group_size is not None and (self.dp_group_size < 1 or self.num_engines % self.dp_group_size):
-            raise ConfigError("dp_group_size must divide num_engines")
+        if self.dp_group_size is not None and (self.dp_group_size < 1 or self.dp_span[1] % self.dp_group_size):
+            raise ConfigError("dp_group_size must divide num_engines (with disaggregation: decode_engines)")
         if self.moe_split not in MOE_SPLITS:
             raise ConfigError(f"moe_split must be one of {MOE_SPLITS}, got {self.moe_split!r}")
         if self.enable_dp_attention and self.moe_split == "experts":
@@ -109,8 +109,6 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.num_engines not in (1, pools):
             raise ConfigError(f"num_engines ({self.num_engines}) must be prefill_engines + decode_engines ({pools}) "
                               "or left out")
-        if self.enable_dp_attention:
-            raise ConfigError("attention-DP with prefill/decode disaggregation is not supported yet")
         if "disaggregation_mode" in self.engine:
             raise ConfigError("set prefill_engines and decode_engines, not disaggregation_mode in engine overrides")
         msgspec.structs.force_setattr(self, "num_engines", pools)
@@ -118,6 +116,17 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     @property
     def disaggregated(self) -> bool:
         return self.prefill_engines > 0
+
+    @property
+    def dp_span(self) -> tuple[int, int]:
+        """Attention-DP: the engines its groups are made of (first index, how many): a disaggregated
+        cluster's decode engines (its prefill engines run alone), else every engine."""
+        return (self.prefill_engines, self.decode_engines) if self.disaggregated else (0, self.num_engines)
+
+    @property
+    def dp_size(self) -> int:
+        """Engines per attention-DP group."""
+        return self.dp_group_size or self.dp_span[1]
 
     def engine_role(self, index: int) -> str:
         """Engine `index`'s disaggregation_mode: the first prefill_engines are prefill engines."""
@@ -129,7 +138,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         """Expert parallelism needs num_experts divisible by the group size: said here, before any
         engine starts, when the checkpoint's config is readable from this process (each engine
         checks again when it loads its experts)."""
-        size = self.dp_group_size or self.num_engines
+        size = self.dp_size
         path = self.model_path
         if size == 1 or path is None:  # None: the built-in dense model
             return

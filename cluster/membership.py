@@ -56,15 +56,19 @@ class EngineSlot:
 
 
 def make_dp_groups(cfg: ClusterConfig) -> tuple[list, list[dict | None]]:
-    """Attention-DP: one DPCoordinator per group of dp_group_size consecutive engines."""
+    """Attention-DP: one DPCoordinator per group of dp_size consecutive engines of cfg.dp_span
+    (a disaggregated cluster's decode engines; its prefill engines run alone)."""
+    members: list[dict | None] = [None] * cfg.num_engines
     if not cfg.enable_dp_attention:
-        return [], [None] * cfg.num_engines
-    size = cfg.dp_group_size or cfg.num_engines
+        return [], members
+    first, count = cfg.dp_span
+    size = cfg.dp_size
     coord_cls = ray.remote(DPCoordinator)
-    coords = [coord_cls.options(num_cpus=0, max_restarts=-1).remote(g, size)
-              for g in range(cfg.num_engines // size)]
-    return coords, [{"rank": i % size, "size": size, "coordinator": coords[i // size],
-                     "stall_timeout_s": cfg.dp_stall_timeout_s} for i in range(cfg.num_engines)]
+    coords = [coord_cls.options(num_cpus=0, max_restarts=-1).remote(g, size) for g in range(count // size)]
+    for i in range(count):
+        members[first + i] = {"rank": i % size, "size": size, "coordinator": coords[i // size],
+                              "stall_timeout_s": cfg.dp_stall_timeout_s}
+    return coords, members
 
 
 @dataclass

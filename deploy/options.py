@@ -115,6 +115,9 @@ class AppArgs(msgspec.Struct, frozen=True, kw_only=True):
         # Not strict: `serve run deploy.app:build_app num_engines=2` passes strings.
         cluster = ClusterConfig.from_kwargs(strict=False, **args, engine=engine)
         fleet_options = build_config(FleetOptions, "fleet", fleet, strict=False)
+        if cluster.disaggregated and cluster.enable_dp_attention:
+            raise ConfigError("attention-DP decode engines behind Serve are not supported yet (the Python "
+                              "Cluster takes them)")
         if cluster.disaggregated and fleet_options.autoscaled:
             raise ConfigError("min_engines/max_engines size unified engines; a disaggregated fleet's pools "
                               "autoscale up to max_prefill_engines and max_decode_engines")

@@ -27,7 +27,7 @@ def settle(cl: Cluster, timeout_s: float = 120.0) -> None:
     """Until every engine is healthy (routable) and every attention-DP group has all its members
     (a group that restarted has re-formed); then every engine's memory invariant, which waits
     for its requests to end. AssertionError after timeout_s."""
-    size = cl.config.dp_group_size or cl.config.num_engines
+    size = cl.config.dp_size
     deadline = time.monotonic() + timeout_s
     groups: list = []
     while True:

@@ -35,6 +35,8 @@ def cluster_configs(model_dirs) -> dict[str, ClusterConfig]:
         # The p2p backend (a gloo link per engine pair) for the others.
         "qwen3": pd("qwen3", engine={"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3,
                                      "disaggregation_transfer_backend": "p2p"}),
+        # Attention-DP on the decode side: one prefill engine, a lock-step group of two decode engines.
+        "dp-decode": pd("llama", d=2, enable_dp_attention=True, routing="round_robin"),
         # Two prefill engines: a fetch that fails on one goes to the other; a stalled transfer
         # fails after its deadline.
         "stories-2p": pd("stories", p=2, request_timeout_s=120, engine={"disaggregation_transfer_timeout_s": 3.0,
@@ -130,6 +132,24 @@ def test_sampling_logprobs_and_json_schema_match_one_engine(clusters, single, mo
         ref_engine.generate(input_ids=ids[0], sampling_params=constrained).token_ids
 
 
+def test_an_attention_dp_group_of_decode_engines(clusters, single, model_dirs):
+    """The decode engines step in lock-step (a member with nothing to decode runs IDLE); KV
+    arrives as PREBUILT batches outside the group's steps; output as one engine's."""
+    cl = clusters.get("dp-decode")
+    ref_engine = single(model_dirs["llama"])
+    ids = prompts(ref_engine, 4, seed=12)
+    ref = [o.token_ids for o in ref_engine.generate(input_ids=ids, sampling_params=GREEDY)]
+    assert [o.token_ids for o in cl.generate(input_ids=ids, sampling_params=GREEDY)] == ref
+    assert cl.generate(input_ids=ids[0], sampling_params=GREEDY).token_ids == ref[0]  # the other member idles
+    stats = cl.stats()
+    decode = [s for s in stats.engines if s.role == "decode"]
+    assert [s.dp_group for s in decode] == [0, 0] and all(s.dp is not None and s.dp.steps > 0 for s in decode)
+    assert all(s.engine.batches_by_mode["PREBUILT"] > 0 and s.engine.batches_by_mode["EXTEND"] == 0 for s in decode)
+    assert sum(s.engine.batches_by_mode["IDLE"] for s in decode) > 0
+    assert [s.dp for s in stats.engines if s.role == "prefill"] == [None]
+    assert [len(g.members) for g in cl.dp_stats()] == [2]
+
+
 def test_streams_and_aborts(clusters):
     """A stream delivers as with unified engines; closing it early aborts the request on the
     decode engine (and frees its KV: the clusters fixture checks both engines' memory)."""
@@ -215,6 +235,8 @@ def test_config_needs_both_pools():
         ClusterConfig(prefill_engines=1)
     with pytest.raises(ConfigError, match="num_engines"):
         ClusterConfig(prefill_engines=1, decode_engines=1, num_engines=3)
+    with pytest.raises(ConfigError, match="dp_group_size must divide"):
+        ClusterConfig(prefill_engines=1, decode_engines=3, enable_dp_attention=True, dp_group_size=2)
     with pytest.raises(ConfigError, match="disaggregation_mode"):
         ClusterConfig(prefill_engines=1, decode_engines=1, engine={"disaggregation_mode": "decode"})
     cfg = ClusterConfig(prefill_engines=2, decode_engines=1)
