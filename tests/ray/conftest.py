@@ -40,6 +40,16 @@ def settle(cl: Cluster, timeout_s: float = 120.0) -> None:
     cl.check_memory()
 
 
+def take_down_engine_0(cl: Cluster, timeout_s: float = 30.0) -> None:
+    """Kill engine 0's actor (Ray restarts it) and wait until the cluster routes around it."""
+    import ray
+
+    ray.kill(cl.actors[0], no_restart=False)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and cl.healthy()[0]:
+        time.sleep(0.1)
+
+
 class SharedClusters:
     """The clusters of a module's `cluster_configs` (key -> ClusterConfig), each started on first
     use and kept for the tests after it while at most `max_engines` engines are up (the least

@@ -28,6 +28,7 @@ from cluster.health import wait_ready
 from engine import GenerateOutput, SamplingParams
 from engine.engine import collect_output
 from tests.helpers import finals_after
+from tests.ray.conftest import take_down_engine_0
 
 pytestmark = pytest.mark.ray
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
@@ -282,10 +283,7 @@ def test_other_group_keeps_serving(clusters, single):
     ref = reference(single, cl)
     before = cl.dp_stats()
     assert [g.members for g in before] == [[0, 1], [0, 1]], before
-    ray.kill(cl.actors[0], no_restart=False)  # group 0 goes down...
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and cl.healthy()[0]:
-        time.sleep(0.1)
+    take_down_engine_0(cl)  # group 0 goes down...
     # ...while group 1 (engines 2 and 3) answers every request meanwhile.
     outs = cl.generate(prompt=["Once upon a time"] * 4, sampling_params=GREEDY)
     assert all(o.token_ids == ref and o.error is None for o in outs), [o.error for o in outs]

@@ -31,6 +31,7 @@ from engine.engine import EngineStats
 from engine.errors import ConfigError
 from engine.models import load_weights
 from tests.helpers import finals_after, prompts
+from tests.ray.conftest import take_down_engine_0
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 # Qwen2-MoE: 8 experts, top-2 (a token's two expert terms add exactly once on either side, so the
@@ -169,10 +170,7 @@ def test_other_expert_parallel_group_keeps_serving(clusters, single, moe_path):
     cl = clusters.get("experts-all_to_all")
     ref = single(moe_path).generate(prompt="Once upon a time", sampling_params=GREEDY).token_ids
     before = cl.dp_stats()
-    ray.kill(cl.actors[0], no_restart=False)  # group 0 goes down...
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and cl.healthy()[0]:
-        time.sleep(0.1)
+    take_down_engine_0(cl)  # group 0 goes down...
     # ...while group 1 (engines 2 and 3, each holding half of the experts) answers.
     outs = cl.generate(prompt=["Once upon a time"] * 4, sampling_params=GREEDY)
     assert all(o.token_ids == ref and o.error is None for o in outs), [o.error for o in outs]
