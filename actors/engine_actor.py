@@ -157,8 +157,6 @@ class EngineActor:
                                               peers.get("namespace", "radixray"), peers.get("names", []),
                                               timeout_s=config.disaggregation_transfer_timeout_s)
         self.engine = Engine(config, mlp_shard=shard, kv_source=self.kv_source)
-        if self.kv_source is not None and self.kv_source.links is not None:
-            self.kv_source.links.device = self.engine.model_runner.device
         self._kv_links: PrefillLinks | None = None  # a prefill engine's p2p links (on first use)
         # Evicted radix paths, for the routers' cache-aware trees (each reads them by heartbeat()).
         self._evicted = EvictionLog()
@@ -326,7 +324,8 @@ class EngineActor:
         if self.kv_source is not None:
             self.kv_source.set_peers(names)
 
-    async def prefill_kv(self, fetch: bytes, kv_rid: str, link: bytes | None = None, tag: int = -1) -> tuple[bytes, Any]:
+    async def prefill_kv(self, fetch: bytes, kv_rid: str, link: bytes | None = None,
+                         tag: int = -1) -> tuple[bytes, Any]:
         """A prefill engine's side of one KV transfer (a decode engine's RayPrefillSource calls
         it): compute the prompt, sample its first token, and return the KV of the tokens the
         decode engine lacks, with what it needs to go on. link: the decode engine's p2p link
@@ -341,8 +340,7 @@ class EngineActor:
         kv_link = None
         if link is not None:  # joined before the prefill: the decode side waits for us meanwhile
             if self._kv_links is None:
-                self._kv_links = PrefillLinks(self.engine.model_runner.device,
-                                              self.engine.config.disaggregation_transfer_timeout_s)
+                self._kv_links = PrefillLinks(self.engine.config.disaggregation_transfer_timeout_s)
             address = msgspec.msgpack.decode(link, type=LinkAddress)
             kv_link = await asyncio.to_thread(self._kv_links.join, address)
         loop = asyncio.get_running_loop()

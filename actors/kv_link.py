@@ -1,7 +1,9 @@
-"""Point-to-point KV links: a two-rank torch.distributed process group between a decode engine
-(rank 0, it hosts the rendezvous store) and one prefill engine (rank 1), over gloo on the CPU and
-NCCL on CUDA. The `gloo` transfer backend sends a transfer's KV buffer over it (tagged with the
-transfer's number) while only the metadata travels as the prefill call's Ray result.
+"""Point-to-point KV links: a two-rank torch.distributed gloo group between a decode engine (rank
+0, it hosts the rendezvous store) and one prefill engine (rank 1). The `p2p` transfer backend sends
+a transfer's KV bytes over it, tagged with the transfer's number (gloo matches a receive to its
+send by tag, whatever order the threads post them in), while only the metadata travels as the
+prefill call's Ray result. The bytes are staged in host memory on CUDA engines too (NCCL would
+match sends and receives by order, not by tag).
 
 A link is set up lazily, on a decode engine's first fetch from that prefill engine: the decode
 side opens the store on a free port and waits for its peer on a thread of its own; the fetch
@@ -32,15 +34,14 @@ class LinkAddress(msgspec.Struct, frozen=True, array_like=True):
 class KVLink:
     """One side of a two-rank group (rank 0: the decode engine, which hosts the store)."""
 
-    def __init__(self, address: LinkAddress, rank: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, address: LinkAddress, rank: int, timeout_s: float) -> None:
         timeout = timedelta(seconds=timeout_s)
         self.address, self.rank = address, rank
         self.store = dist.TCPStore(address.host, address.port, 2, rank == 0, timeout=timeout)
-        self.pg = (dist.ProcessGroupNCCL(self.store, rank, 2) if device.type == "cuda"
-                   else dist.ProcessGroupGloo(self.store, rank, 2, timeout))
+        self.pg = dist.ProcessGroupGloo(self.store, rank, 2, timeout)
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
-        self.pg.send([tensor.contiguous()], 1 - self.rank, tag).wait()
+        self.pg.send([tensor.contiguous().cpu()], 1 - self.rank, tag).wait()
 
     def recv(self, tensor: torch.Tensor, tag: int) -> None:
         self.pg.recv([tensor], 1 - self.rank, tag).wait()
@@ -56,8 +57,8 @@ class DecodeLinks:
     """A decode engine's links, one per prefill engine (by actor name), each a Future that
     resolves once the peer has joined."""
 
-    def __init__(self, host: str, device: torch.device, timeout_s: float) -> None:
-        self.host, self.device, self.timeout_s = host, device, timeout_s
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self.host, self.timeout_s = host, timeout_s
         self._lock = threading.Lock()
         self._links: dict[str, tuple[LinkAddress, Future]] = {}
         self._ids = itertools.count()
@@ -72,7 +73,7 @@ class DecodeLinks:
 
                 def open_link() -> None:
                     try:
-                        ready.set_result(KVLink(address, 0, self.device, self.timeout_s))
+                        ready.set_result(KVLink(address, 0, self.timeout_s))
                     except BaseException as e:  # the peer never came
                         ready.set_exception(e)
                         self.drop(peer, address)
@@ -94,8 +95,8 @@ class DecodeLinks:
 class PrefillLinks:
     """A prefill engine's links, one per decode engine's link id."""
 
-    def __init__(self, device: torch.device, timeout_s: float) -> None:
-        self.device, self.timeout_s = device, timeout_s
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._links: dict[str, Future] = {}
 
@@ -108,7 +109,7 @@ class PrefillLinks:
                 ready = self._links[address.link_id] = Future()
         if first:
             try:
-                ready.set_result(KVLink(address, 1, self.device, self.timeout_s))
+                ready.set_result(KVLink(address, 1, self.timeout_s))
             except BaseException as e:
                 ready.set_exception(e)
                 with self._lock:

@@ -11,7 +11,7 @@ never holds KV for a decode engine with no room for it.
 Backends (`disaggregation_transfer_backend`): "object_store", the call's result carries the KV
 through Ray's object store (one contiguous buffer per transfer, read in place on the same node);
 "p2p", the result carries only the metadata and the KV goes over a point-to-point link between the
-two engines (actors/kv_link.py: gloo on the CPU, NCCL on CUDA). Either way the prefill engine's KV
+two engines (actors/kv_link.py: gloo, staged in host memory). Either way the prefill engine's KV
 is copied into one buffer when it is handed over, so it returns to the prefill's cache at once."""
 
 from __future__ import annotations
@@ -83,13 +83,15 @@ class RayKVReceiver:
         """link: (DecodeLinks, LinkAddress, Future of the KVLink, tag) when the KV comes over a
         point-to-point link rather than in the call's result."""
         self.channel = LocalKVChannel()
-        self.ref = ref
+        self.ref: ray.ObjectRef | None = ref  # dropped once done: the object store may free the KV
         self.peer = peer
+        self._given_up = False  # the decode side failed it: its cancellation says nothing of the peer
         self._on_failure = on_failure  # (peer) -> None: the source avoids it for this request's next try
         self._link = link
         ref.future().add_done_callback(self._done)
 
     def _done(self, future: Any) -> None:
+        self.ref = None
         try:
             meta, raw = future.result()
         except BaseException as e:  # the prefill engine died, refused, or the call was cancelled
@@ -105,7 +107,7 @@ class RayKVReceiver:
         links, address, ready, tag = self._link
         try:
             link = ready.result(timeout=links.timeout_s)
-            buffer = torch.empty(kv_nbytes(meta), dtype=torch.uint8, device=links.device)
+            buffer = torch.empty(kv_nbytes(meta), dtype=torch.uint8)
             link.recv(buffer, tag)
             self.channel.send(payload_from_wire(meta, buffer))
         except BaseException as e:  # the peer died mid-transfer, or the link timed out: a new link next time
@@ -113,7 +115,8 @@ class RayKVReceiver:
             self._failed(e)
 
     def _failed(self, error: BaseException) -> None:
-        self._on_failure(self.peer)
+        if not self._given_up:
+            self._on_failure(self.peer)
         self.channel.fail(f"prefill engine {self.peer}: {type(error).__name__}: {str(error)[:200]}")
 
     def bootstrap(self, skip: int) -> None:
@@ -133,8 +136,10 @@ class RayKVReceiver:
 
     def fail(self, reason: str) -> None:
         """The decode side gives up (abort, deadline, memory): the prefill stops and frees its KV."""
-        if self.channel.poll() not in (KVPoll.Success, KVPoll.Failed):
-            ray.cancel(self.ref)
+        self._given_up = True
+        ref = self.ref
+        if ref is not None and self.channel.poll() not in (KVPoll.Success, KVPoll.Failed):
+            ray.cancel(ref)
         self.channel.fail(reason)
 
 
@@ -144,12 +149,10 @@ class RayPrefillSource:
     a fetch after a failure to another one, if there is another."""
 
     def __init__(self, backend: DisaggregationTransferBackend, namespace: str, peers: list[str] = (),
-                 device: torch.device | None = None, timeout_s: float = 60.0) -> None:
-        """device: the engine's (the p2p backend's links are gloo on the CPU, NCCL on CUDA)."""
+                 timeout_s: float = 60.0) -> None:
         self.backend = backend
         self.namespace = namespace
-        self.links = DecodeLinks(ray.util.get_node_ip_address(), device or torch.device("cpu"), timeout_s) \
-            if backend == "p2p" else None
+        self.links = DecodeLinks(ray.util.get_node_ip_address(), timeout_s) if backend == "p2p" else None
         self._lock = threading.Lock()
         self._handles: dict[str, Any] = {}  # prefill actor name -> handle (None: not looked up yet)
         self._hints: OrderedDict[str, str] = OrderedDict()  # rid -> the peer its front end chose

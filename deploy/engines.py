@@ -211,6 +211,8 @@ class EngineServer:
                 raise TimeoutError(f"engine {self.engine_id}: its DP group did not form in 600s")
             await asyncio.sleep(0.2)
         self.info = encode(info)
+        if self.role == "decode":
+            await self._take_prefill_engines()
         self._state: str | None = None
         self._stop = threading.Event()
         if not await fleet.renew.remote(self.key, self.engine, self.info):  # a long start outlived the lease
@@ -219,6 +221,12 @@ class EngineServer:
         threading.Thread(target=self._renew_lease, name="radixray-lease", daemon=True).start()
         if self.role == "decode":
             threading.Thread(target=self._follow_prefill_engines, name="radixray-prefill-peers", daemon=True).start()
+
+    async def _take_prefill_engines(self) -> None:
+        """A decode engine's first prefill engines, before it becomes routable (one read of the
+        fleet; _follow_prefill_engines keeps them current)."""
+        _, members = await self.fleet.watch.remote(None)
+        await self.engine.set_prefill_peers.remote(prefill_engine_names(members))
 
     def _follow_prefill_engines(self) -> None:
         """A decode engine's prefill engines: the fleet's, by actor name, whenever they change."""
@@ -230,9 +238,7 @@ class EngineServer:
                 log.warning("engine %d could not read the fleet: %s", self.engine_id, type(e).__name__)
                 self._stop.wait(1.0)
                 continue
-            infos = [msgspec.msgpack.decode(info, type=EngineInfo) for _, _, _, info, state in members
-                     if state != "draining"]
-            now = sorted(i.actor_name for i in infos if i.disaggregation_mode == "prefill")
+            now = prefill_engine_names(members)
             if now != names:
                 try:
                     self.engine.set_prefill_peers.remote(now).result(timeout_s=10)
@@ -302,6 +308,12 @@ class EngineServer:
             log.warning("engine %d could not leave the fleet: %s", self.engine_id, type(e).__name__)
         finally:
             ray.kill(self.engine, no_restart=True)
+
+
+def prefill_engine_names(members: list) -> list[str]:
+    """The actor names of the prefill engines in a fleet member list (draining ones left out)."""
+    infos = [msgspec.msgpack.decode(info, type=EngineInfo) for _, _, _, info, state in members if state != "draining"]
+    return sorted(i.actor_name for i in infos if i.disaggregation_mode == "prefill")
 
 
 class EngineAutoscaler:

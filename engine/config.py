@@ -207,7 +207,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     disaggregation_transfer_timeout_s: float = 60.0  # a KV transfer not done by then fails (and is retried elsewhere)
     # How KV moves between engine actors (SGLang's flag; its values are this project's): "object_store",
     # the prefill call's result through Ray's object store (one contiguous buffer per transfer); "p2p",
-    # a point-to-point link between the two engines (gloo on the CPU, NCCL on CUDA).
+    # a point-to-point gloo link between the two engines (host-staged on CUDA).
     disaggregation_transfer_backend: DisaggregationTransferBackend = "object_store"
 
     def __post_init__(self) -> None:

@@ -104,6 +104,7 @@ def start_prefill_engines(cfg: ClusterConfig) -> tuple[Any, list[str]]:
     from cluster.membership import OwnedEngines
 
     prefill_only = msgspec.structs.replace(cfg, prefill_engines=0, decode_engines=0, num_engines=cfg.prefill_engines,
+                                           enable_dp_attention=False, dp_group_size=None,
                                            engine={**cfg.engine, "disaggregation_mode": "prefill"})
     owned = OwnedEngines()
     try:

@@ -34,7 +34,7 @@ class Generate:
         source = None
         if prefill_peers is not None:  # its requests' KV comes from those (any of them: no router here)
             source = RayPrefillSource(config.disaggregation_transfer_backend, prefill_peers["namespace"],
-                                      prefill_peers["names"])
+                                      prefill_peers["names"], timeout_s=config.disaggregation_transfer_timeout_s)
         self.engine = Engine(config, kv_source=source)
         self.engine.on_fatal = self._die
         self.engine.start_loop()

@@ -91,6 +91,7 @@ class DecodePrealloc:
             if state == KVPoll.Success:
                 try:
                     self._receive(req, req.kv_receiver.take())
+                    req.kv_receiver = None  # the transfer is over (its buffers may go)
                     ready.append(req)
                     continue
                 except Exception as e:
