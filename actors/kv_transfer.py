@@ -56,9 +56,12 @@ def payload_to_wire(payload: KVPayload) -> tuple[bytes, np.ndarray]:
     return payload_meta(payload), kv_bytes(payload.kv).cpu().numpy()
 
 
-def payload_from_wire(meta_bytes: bytes, raw: np.ndarray | torch.Tensor) -> KVPayload:
+def decode_meta(meta_bytes: bytes) -> KVPayloadMeta:
+    return msgspec.msgpack.decode(meta_bytes, type=KVPayloadMeta)
+
+
+def payload_from_wire(meta: KVPayloadMeta, raw: np.ndarray | torch.Tensor) -> KVPayload:
     """The payload from its metadata and its KV bytes (a read-only object-store array, or a tensor)."""
-    meta = msgspec.msgpack.decode(meta_bytes, type=KVPayloadMeta)
     if isinstance(raw, np.ndarray):
         with warnings.catch_warnings():  # the object store's buffers are read-only; scatter_kv only reads them
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -71,8 +74,7 @@ def payload_from_wire(meta_bytes: bytes, raw: np.ndarray | torch.Tensor) -> KVPa
                      sent_at=meta.sent_at)
 
 
-def kv_nbytes(meta_bytes: bytes) -> int:
-    meta = msgspec.msgpack.decode(meta_bytes, type=KVPayloadMeta)
+def kv_nbytes(meta: KVPayloadMeta) -> int:
     return math.prod(meta.kv_shape) * getattr(torch, meta.kv_dtype).itemsize
 
 
@@ -98,14 +100,15 @@ class RayKVReceiver:
             self._failed(e)
             return
         if self._link is None:
-            self.channel.send(payload_from_wire(meta, raw))
+            self.channel.send(payload_from_wire(decode_meta(meta), raw))
             return
         # The link's receive blocks until the bytes are in: not on Ray's callback thread.
         threading.Thread(target=self._receive, args=(meta,), name="radixray-kv-recv", daemon=True).start()
 
-    def _receive(self, meta: bytes) -> None:
+    def _receive(self, meta_bytes: bytes) -> None:
         links, address, ready, tag = self._link
         try:
+            meta = decode_meta(meta_bytes)
             link = ready.result(timeout=links.timeout_s)
             buffer = torch.empty(kv_nbytes(meta), dtype=torch.uint8)
             link.recv(buffer, tag)

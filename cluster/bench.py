@@ -74,7 +74,7 @@ import msgspec
 import ray
 
 from cluster import Cluster, ClusterConfig
-from cluster.bench_pd import case_pd
+from cluster.bench_pd import case_pd, percentile
 from cluster.stats import ClusterStats
 from engine import SamplingParams
 from engine.bench import BENCH_ARCH, bench_model_path, random_prompts
@@ -216,12 +216,12 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
     # Imported from where it lives: its public alias, ray.serve.llm, needs vLLM or SGLang installed.
     router = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
     dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight, router, arrivals)
-    serve_router = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
+    serve_router = (total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9))
     for m in frontends:
         results = {}
         for policy in ("kv_events", "cache_aware", "round_robin"):
             dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, m, arrivals)
-            results[policy] = (total / dt, hit, statistics.median(ttfts), _percentile(ttfts, 0.9))
+            results[policy] = (total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9))
         results["serve_prefix_affinity"] = serve_router  # (one Serve handle: its router sees everything)
         line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
                          for p, r in results.items())
@@ -407,11 +407,6 @@ def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list
     return dt, ttfts, hit
 
 
-def _percentile(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
-
-
 def case_http(path: str, scale: float) -> None:
     from ray import serve
 
@@ -446,8 +441,8 @@ def case_http(path: str, scale: float) -> None:
     tok = sum(outs)
     print(f"http       http={tok / dt_http:,.1f} out tok/s  direct={tok / dt_direct:,.1f} out tok/s  "
           f"ratio={dt_direct / dt_http:.2f}x (floor 0.85x)  ttft_median http={1e3 * statistics.median(ttft_http):.0f} ms "
-          f"direct={1e3 * statistics.median(ttft_direct):.0f} ms  ttft_p99 http={1e3 * _percentile(ttft_http, 0.99):.0f} ms "
-          f"direct={1e3 * _percentile(ttft_direct, 0.99):.0f} ms", flush=True)
+          f"direct={1e3 * statistics.median(ttft_direct):.0f} ms  ttft_p99 http={1e3 * percentile(ttft_http, 0.99):.0f} ms "
+          f"direct={1e3 * percentile(ttft_direct, 0.99):.0f} ms", flush=True)
 
 
 async def _http_load(url: str, prompts: list[list[int]], outs: list[int]) -> tuple[float, list[float]]:
@@ -644,8 +639,8 @@ def _pids(*titles: str) -> list[int]:
 
 
 def _latency_summary(ttfts: list[float], itls: list[float]) -> dict:
-    return {"ttft_p50": statistics.median(ttfts), "ttft_p99": _percentile(ttfts, 0.99),
-            "itl_p50": statistics.median(itls) if itls else 0.0, "itl_p99": _percentile(itls, 0.99) if itls else 0.0}
+    return {"ttft_p50": statistics.median(ttfts), "ttft_p99": percentile(ttfts, 0.99),
+            "itl_p50": statistics.median(itls) if itls else 0.0, "itl_p99": percentile(itls, 0.99) if itls else 0.0}
 
 
 class _SSEUsage(msgspec.Struct):

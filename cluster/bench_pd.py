@@ -24,9 +24,10 @@ from engine.bench import BENCH_ARCH, random_prompts
 PD_CHUNK = 256  # chunked_prefill_size of every engine in the pd case
 
 
-def _percentile(xs: list[float], p: float) -> float:
+def percentile(xs: list[float], p: float) -> float:
+    """The nearest-rank p-quantile (0 for no values); every cluster bench case reports with it."""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
+    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))] if xs else 0.0
 
 
 def pd_workload(scale: float) -> dict:
@@ -96,10 +97,10 @@ def run_load(cfg: ClusterConfig, load: dict) -> dict:
 
 
 def _summary(r: dict) -> str:
-    return (f"ITL p50={1000 * statistics.median(r['itl']):.0f} ms p99={1000 * _percentile(r['itl'], 0.99):.0f} ms "
-            f"p99.9={1000 * _percentile(r['itl'], 0.999):.0f} ms max={1000 * max(r['itl']):.0f} ms  "
+    return (f"ITL p50={1000 * statistics.median(r['itl']):.0f} ms p99={1000 * percentile(r['itl'], 0.99):.0f} ms "
+            f"p99.9={1000 * percentile(r['itl'], 0.999):.0f} ms max={1000 * max(r['itl']):.0f} ms  "
             f"TTFT stream p50={1000 * statistics.median(r['ttft_stream']):.0f} ms "
-            f"long p50={1000 * statistics.median(r['ttft_long']):.0f} ms p99={1000 * _percentile(r['ttft_long'], 0.99):.0f} ms  "
+            f"long p50={1000 * statistics.median(r['ttft_long']):.0f} ms p99={1000 * percentile(r['ttft_long'], 0.99):.0f} ms  "
             f"out={r['tokens_per_s']:.1f} tok/s")
 
 
@@ -136,7 +137,7 @@ def case_pd(path: str, scale: float, plot_path: str | None = None) -> None:
     uni, pd = results["2 unified"], results["1 prefill + 1 decode"]
     for name, r in results.items():
         print(f"pd         {name:<22} {_summary(r)}", flush=True)
-    itl_ratio = _percentile(pd["itl"], 0.99) / max(_percentile(uni["itl"], 0.99), 1e-9)
+    itl_ratio = percentile(pd["itl"], 0.99) / max(percentile(uni["itl"], 0.99), 1e-9)
     print(f"pd         ITL p99 ratio={itl_ratio:.2f}x (floor <= 0.5x)  throughput ratio="
           f"{pd['tokens_per_s'] / uni['tokens_per_s']:.2f}x (floor >= 0.8x)  transfers={pd['transfers']}: "
           f"{pd['wire_ms']:.1f} ms each from hand-over to in place ({pd['fetch_ms']:.0f} ms from fetch, the prefill "
