@@ -39,7 +39,7 @@ def cluster_configs(model_dirs) -> dict[str, ClusterConfig]:
         "dp-decode": pd("llama", d=2, enable_dp_attention=True, routing="round_robin"),
         # Two prefill engines: a fetch that fails on one goes to the other; a stalled transfer
         # fails after its deadline.
-        "stories-2p": pd("stories", p=2, request_timeout_s=120, engine={"disaggregation_transfer_timeout_s": 3.0,
+        "two-prefill": pd("qwen2", p=2, request_timeout_s=120, engine={"disaggregation_transfer_timeout_s": 3.0,
                                                                        "disaggregation_transfer_backend": "p2p"}),
     }
 
@@ -57,7 +57,7 @@ def test_batch_job_with_prefill_and_decode_engines(ray_local, single, model_dirs
     (First in the module: the job's engines need the CPUs the shared clusters take later.)"""
     from cluster.batch import main
 
-    path = model_dirs["stories"]
+    path = model_dirs["llama"]  # (no test data needed: every test here runs on a plain clone)
     texts = ["Once upon a time", "The little dog", "Once upon a time there was", "A cat sat", "Tom and Lily"]
     (tmp_path / "in.jsonl").write_text("".join(
         json.dumps({"id": f"r{i}", "prompt": t, "max_tokens": 12, "temperature": 0, "ignore_eos": True}) + "\n"
@@ -178,8 +178,8 @@ def test_streams_and_aborts(clusters):
 def test_a_prefill_engine_that_dies_is_replaced_in_the_transfer(clusters, single, model_dirs):
     """A prefill engine dies on its next transfer: each request whose KV it was computing is
     fetched again from the other prefill engine and completes with the same tokens."""
-    cl = clusters.get("stories-2p")
-    ref_engine = single(model_dirs["stories"])
+    cl = clusters.get("two-prefill")
+    ref_engine = single(model_dirs["qwen2"])
     ids = prompts(ref_engine, 6, seed=8, lo=20, hi=30)
     ref = [o.token_ids for o in ref_engine.generate(input_ids=ids, sampling_params=GREEDY)]
     doomed = next(e.actor for e in cl.engines if e.info.disaggregation_mode == "prefill")
@@ -191,8 +191,8 @@ def test_a_prefill_engine_that_dies_is_replaced_in_the_transfer(clusters, single
 
 
 def test_a_stalled_transfer_fails_after_its_deadline_and_goes_elsewhere(clusters, single, model_dirs):
-    cl = clusters.get("stories-2p")
-    ref_engine = single(model_dirs["stories"])
+    cl = clusters.get("two-prefill")
+    ref_engine = single(model_dirs["qwen2"])
     ids = prompts(ref_engine, 2, seed=9)
     ref = [o.token_ids for o in ref_engine.generate(input_ids=ids, sampling_params=GREEDY)]
     prefill = [e.actor for e in cl.engines if e.info.disaggregation_mode == "prefill"]
@@ -205,7 +205,7 @@ def test_a_stalled_transfer_fails_after_its_deadline_and_goes_elsewhere(clusters
 
 
 def test_a_stall_everywhere_ends_with_an_explicit_error(clusters):
-    cl = clusters.get("stories-2p")
+    cl = clusters.get("two-prefill")
     prefill = [e.actor for e in cl.engines if e.info.disaggregation_mode == "prefill"]
     ray.get([a.debug_fail_prefills.remote(["stall", "stall"]) for a in prefill])
     out = cl.generate(input_ids=[1, 20, 30, 40], sampling_params=GREEDY)
@@ -213,12 +213,12 @@ def test_a_stall_everywhere_ends_with_an_explicit_error(clusters):
 
 
 def test_a_decode_engine_that_dies_mid_stream_ends_the_request_with_an_error(clusters):
-    cl = clusters.get("stories-2p")
+    cl = clusters.get("two-prefill")
     decode = next(e.actor for e in cl.engines if e.info.disaggregation_mode == "decode")
 
     async def stream_and_kill() -> list:
         deltas = []
-        params = SamplingParams(max_new_tokens=2000, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=1000, temperature=0.0, ignore_eos=True)
         async for d in cl.stream(input_ids=[1, 5, 6], sampling_params=params):
             deltas.append(d)
             if len(deltas) == 2:
