@@ -1,0 +1,165 @@
+"""Quantized weights kept quantized: the engine's one block format (`QuantWeight`), its reference
+dequantization, weight-only int8/int4 quantization of a float weight, and `QuantLinear`, the
+projection that multiplies by it.
+
+The format: a weight [N, K] is stored as unsigned/signed integer codes q with one scale and one
+bias per group of G consecutive elements of a row, value = scale[n, k // G] * q[n, k] + bias[n, k // G].
+- bits=4: `qweight` uint8 [N, K // 2], codes 0..15. Each 32-element chunk c of a row takes bytes
+  16c..16c+15; byte j holds element 32c + j in its low nibble and 32c + 16 + j in its high one
+  (GGUF's Q4_0/Q4_1 layout, so those blocks load without reshuffling). G is a multiple of 32.
+- bits=8: `qweight` int8 [N, K], codes -128..127. G is a multiple of 16.
+- `scales` and `biases`: [N, K // G], float16 where the source's scales are exactly float16
+  (GGUF's Q8_0, Q4_0, Q4_1) else float32; `biases` None means zero (a symmetric format).
+K is a multiple of 32. Every GGUF type the engine computes maps onto it exactly (same values as
+the file's own dequantization); see `engine/models/gguf_quants.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+class QuantWeight:
+    """One quantized weight [out_features, in_features] (see the module docstring)."""
+
+    __slots__ = ("qweight", "scales", "biases", "bits", "group_size", "out_features", "in_features")
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
+                 bits: int, group_size: int) -> None:
+        n = qweight.shape[0]
+        k = qweight.shape[1] * (2 if bits == 4 else 1)
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if k % 32 or group_size % (32 if bits == 4 else 16) or k % group_size:
+            raise ValueError(f"bad quantized shape: K={k}, bits={bits}, group_size={group_size}")
+        want = (n, k // group_size)
+        if tuple(scales.shape) != want or (biases is not None and tuple(biases.shape) != want):
+            raise ValueError(f"scales/biases must be {want}")
+        if qweight.dtype != (torch.uint8 if bits == 4 else torch.int8):
+            raise ValueError(f"{bits}-bit codes must be {'uint8' if bits == 4 else 'int8'}")
+        self.qweight, self.scales, self.biases = qweight, scales, biases
+        self.bits, self.group_size = bits, group_size
+        self.out_features, self.in_features = n, k
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def to(self, device: torch.device) -> QuantWeight:
+        move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return QuantWeight(move(self.qweight), move(self.scales), move(self.biases), self.bits, self.group_size)
+
+    def nbytes(self) -> int:
+        """Bytes held in memory (codes, scales, biases)."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.biases) if t is not None)
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes [N, K] as int16 (unpacked)."""
+        if self.bits == 8:
+            return self.qweight.to(torch.int16)
+        n = self.out_features
+        chunks = self.qweight.view(n, -1, 16).to(torch.int16)
+        return torch.cat([chunks & 0xF, chunks >> 4], dim=2).view(n, self.in_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [N, K] (the reference every kernel is tested against)."""
+        return self.dequantize_rows(slice(None), dtype)
+
+    def dequantize_rows(self, rows: torch.Tensor | slice, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `rows` of the float weight (an embedding lookup of a quantized table)."""
+        q = self.qweight[rows]
+        if self.bits == 4:
+            chunks = q.view(q.shape[0], -1, 16)
+            codes = torch.cat([chunks & 0xF, chunks >> 4], dim=2).view(q.shape[0], self.in_features)
+        else:
+            codes = q
+        g = self.group_size
+        w = codes.float().view(q.shape[0], -1, g) * self.scales[rows].float().unsqueeze(2)
+        if self.biases is not None:
+            w = w + self.biases[rows].float().unsqueeze(2)
+        return w.view(q.shape[0], self.in_features).to(dtype)
+
+
+def cat_rows(weights: Sequence[QuantWeight]) -> QuantWeight | None:
+    """The weights stacked along out_features (a fused qkv or gate/up projection), or None if
+    their formats differ (bits, group size, scale dtype, bias or none): those stay separate."""
+    first = weights[0]
+    same = all(w.bits == first.bits and w.group_size == first.group_size and w.in_features == first.in_features
+               and w.scales.dtype == first.scales.dtype and (w.biases is None) == (first.biases is None)
+               for w in weights)
+    if not same:
+        return None
+    biases = None if first.biases is None else torch.cat([w.biases for w in weights])
+    return QuantWeight(torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]),
+                       biases, first.bits, first.group_size)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [N, K] -> uint8 [N, K // 2] in the chunk layout above."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).view(n, k // 2)
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> QuantWeight:
+    """Weight-only int8, symmetric: one float16 scale per row (per channel) or per `group_size`
+    elements, codes round(w / scale) in -127..127."""
+    n, k = w.shape
+    g = group_size or k
+    wf = w.float().view(n, k // g, g)
+    scale = (wf.abs().amax(dim=2) / 127).clamp_min(1e-8).half()
+    q = torch.round(wf / scale.float().unsqueeze(2)).clamp(-127, 127).to(torch.int8).view(n, k)
+    return QuantWeight(q, scale, None, 8, g)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> QuantWeight:
+    """Weight-only int4, asymmetric per group of `group_size` (GGUF's Q4_1): float16 scale and
+    bias (the group's minimum), codes round((w - min) / scale) in 0..15."""
+    n, k = w.shape
+    wf = w.float().view(n, k // group_size, group_size)
+    lo, hi = wf.amin(dim=2), wf.amax(dim=2)
+    scale = ((hi - lo) / 15).clamp_min(1e-8).half()
+    bias = lo.half()
+    q = torch.round((wf - bias.float().unsqueeze(2)) / scale.float().unsqueeze(2)).clamp(0, 15)
+    return QuantWeight(pack_nibbles(q.view(n, k)), scale, bias, 4, group_size)
+
+
+class QuantLinear:
+    """y = x @ W.T + b over quantized W: one QuantWeight, or several whose outputs are concatenated
+    (a fused projection whose parts came in different formats). Mirrors `kernels.cpu_linear.Linear`."""
+
+    __slots__ = ("parts", "bias", "out_features", "in_features")
+
+    def __init__(self, weight: QuantWeight | Sequence[QuantWeight], bias: torch.Tensor | None = None) -> None:
+        parts = [weight] if isinstance(weight, QuantWeight) else list(weight)
+        fused = cat_rows(parts) if len(parts) > 1 else parts[0]
+        self.parts = [fused] if fused is not None else parts
+        self.bias = bias
+        self.out_features = sum(p.out_features for p in self.parts)
+        self.in_features = parts[0].in_features
+
+    kind = "quant"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ys = [qgemm(x, p) for p in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def numel(self) -> int:
+        return self.out_features * self.in_features + (0 if self.bias is None else self.bias.numel())
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts) + (0 if self.bias is None else
+                                                      self.bias.numel() * self.bias.element_size())
+
+
+def qgemm(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [M, K] @ dequantize(w).T -> [M, N] in x's dtype: the format's kernel where one is built
+    for x's device, else the reference (dequantize, then F.linear)."""
+    return F.linear(x, w.dequantize(x.dtype))
