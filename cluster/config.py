@@ -10,7 +10,7 @@ import msgspec
 
 from cluster.routing import POLICIES, ROUTING_POLICIES, RoutingName
 from engine import EngineConfig
-from engine.builtin_model import BUILTIN_MODELS
+from engine.model_path import MODEL_NAMES
 from engine.config import (
     MOE_SPLITS,
     ModelConfig,
@@ -35,7 +35,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         "dp_attention": "enable_dp_attention",  # SGLang's name
     })
 
-    model_path: str | None = None  # HF checkpoint folder, or a built-in model's name; None: the built-in noise model
+    model_path: str | None = None  # HF checkpoint folder, a GGUF file, or a model name (builtin, builtin-moe, smollm2-135m-instruct); None: the built-in noise model
     num_engines: int = 1  # engine actors (one per GPU, or one per cpus_per_engine CPUs)
     # Prefill/decode disaggregation (both or neither; num_engines is then their sum): engines that
     # compute prompts and send their KV, and engines that fetch it and decode.
@@ -142,7 +142,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         path = self.model_path
         if size == 1 or path is None:  # None: the built-in dense model
             return
-        if path not in BUILTIN_MODELS and not os.path.isfile(os.path.join(path, "config.json")):
+        if path not in MODEL_NAMES and not os.path.isfile(os.path.join(path, "config.json")):
             return
         experts = ModelConfig.from_dir(path).num_experts
         if experts and experts % size:

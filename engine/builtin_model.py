@@ -152,21 +152,6 @@ def builtin_moe_model_path() -> str:
     return _build_once(f"builtin-qwen3moe-{BUILTIN_VERSION}", moe_config)
 
 
-# Names `model_path` may give instead of a folder (`resolve_model_path`).
-BUILTIN_MODELS = {"builtin": builtin_model_path, "builtin-moe": builtin_moe_model_path}
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    """The checkpoint folder of `model_path`: None -> the built-in model; a BUILTIN_MODELS name
-    (unless a folder of that name exists) -> that model, built on first use; else unchanged."""
-    if model_path is None:
-        return builtin_model_path()
-    build = BUILTIN_MODELS.get(model_path)
-    if build is None or os.path.isdir(model_path):
-        return model_path
-    return build()
-
-
 def _build_once(name: str, make_config: Callable[..., dict]) -> str:
     return cached_random_checkpoint(name, make_config(vocab_size=byte_level_tokenizer().get_vocab_size()))
 

@@ -11,16 +11,17 @@ from typing import Any, ClassVar, Literal, get_args
 
 import msgspec
 
-from engine.builtin_model import resolve_model_path
 from engine.errors import ConfigError
 from engine.grammar import grammar_backend_class
 from engine.limits import RequestLimits
+from engine.model_path import resolve_model_path
 
 SchedulePolicy = Literal["fcfs", "lpm"]
 SpeculativeAlgorithm = Literal["ngram", "draft_model"]
 AttentionBackendName = Literal["torch", "triton", "flash_attn"]
 LinearBackend = Literal["auto", "native", "onednn", "torch"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "none", "int8", "int4"]
 MoeSplit = Literal["experts", "intermediate"]
 MoeDispatch = Literal["gather", "all_to_all"]
 CpuGraphMode = Literal["auto", "on", "off"]
@@ -32,6 +33,7 @@ SCHEDULE_POLICIES = get_args(SchedulePolicy)
 ATTENTION_BACKENDS = get_args(AttentionBackendName)
 LINEAR_BACKENDS = get_args(LinearBackend)
 DTYPES = get_args(DType)
+QUANTIZATIONS = get_args(Quantization)
 SPECULATIVE_ALGORITHMS = get_args(SpeculativeAlgorithm)
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 MOE_SPLITS = get_args(MoeSplit)
@@ -144,9 +146,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "speculative_ngram_max": "speculative_ngram_max_match_window_size",
     })
 
-    model_path: str | None = None  # HF checkpoint folder, or a built-in model's name (builtin, builtin-moe); None: builtin
+    model_path: str | None = None  # HF checkpoint folder, a GGUF file (or a folder holding one), or a model name (builtin, builtin-moe, smollm2-135m-instruct); None: builtin
     device: str = "auto"  # torch device: "cpu", "cuda", "cuda:N", or "auto" (CUDA when available)
     dtype: DType = "auto"  # weights, activations and KV pool; auto: the checkpoint's dtype on CUDA, float32 on the CPU
+    # Weights: auto (the checkpoint's format: GGUF block types computed as quantized), none
+    # (dequantized into dtype at load), int8 (per channel) or int4 (groups of 32): the linear
+    # projections quantized at load.
+    quantization: Quantization = "auto"
     max_total_tokens: int | None = None  # KV slots; None: from mem_fraction_static on CUDA, 65536 on CPU
     mem_fraction_static: float = 0.8  # CUDA: the fraction of device memory for weights plus the KV pool
     max_running_requests: int | None = None  # the most requests in the running batch; None: bounded by the KV pool only
@@ -222,6 +228,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(self.linear_backend in LINEAR_BACKENDS,
              f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.quantization in QUANTIZATIONS,
+             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         need(self.moe_split in MOE_SPLITS, f"moe_split must be one of {MOE_SPLITS}, got {self.moe_split!r}")
         need(self.moe_dispatch in MOE_DISPATCHES,
              f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
@@ -299,7 +307,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:
-        """From an HF folder, or a built-in model's name (`engine.builtin_model.resolve_model_path`)."""
+        """From an HF folder, or a built-in model's name (`engine.model_path.resolve_model_path`)."""
         model_dir = resolve_model_path(model_dir)
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):

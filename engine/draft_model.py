@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.builtin_model import resolve_model_path
 from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig, ModelConfig
 from engine.errors import ConfigError, MemoryInvariantError
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.model_path import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.req import Req
 from engine.speculative import AdaptiveDepth, Drafter

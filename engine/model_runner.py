@@ -9,11 +9,11 @@ import os
 import torch
 
 from engine.attention import create_attention_backend
-from engine.builtin_model import resolve_model_path
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
+from engine.model_path import resolve_model_path
 from engine.models import build_model
 from engine.sampling import SampleResult, grammar_bitmask, sample_on_device
 from engine.speculative import VerifyResult, verify
@@ -96,7 +96,8 @@ class ModelRunner:
         # experts or intermediate dims, as config.moe_split says).
         self.linear_kind = resolve_linear(config.linear_backend, self.device, self.dtype)
         self.model = build_model(cfg, model_dir, self.dtype, self.device, self.max_context_len, mlp_shard,
-                                 linear=self.linear_kind, moe_split=config.moe_split)
+                                 linear=self.linear_kind, moe_split=config.moe_split,
+                                 quantization=config.quantization)
         per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
                                             cfg.head_dim, self.dtype)
         self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)

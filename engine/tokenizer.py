@@ -10,8 +10,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.builtin_model import resolve_model_path
 from engine.errors import ConfigError, InvalidRequestError
+from engine.model_path import resolve_model_path
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # Longer texts are tokenized without holding the GIL, so a tokenizer thread does not stall the

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 
+
 class QuantWeight:
     """One quantized weight [out_features, in_features] (see the module docstring)."""
 
@@ -54,6 +55,22 @@ class QuantWeight:
     def to(self, device: torch.device) -> QuantWeight:
         move = (lambda t: None if t is None else t.to(device))  # noqa: E731
         return QuantWeight(move(self.qweight), move(self.scales), move(self.biases), self.bits, self.group_size)
+
+    def select_rows(self, index: torch.Tensor) -> QuantWeight:
+        """Rows `index` of the weight (each row's blocks are its own)."""
+        biases = None if self.biases is None else self.biases[index]
+        return QuantWeight(self.qweight[index], self.scales[index], biases, self.bits, self.group_size)
+
+    def select_cols(self, lo: int, hi: int) -> QuantWeight:
+        """Columns [lo, hi) of the weight; both must fall on group (and 32-element chunk) bounds."""
+        g = self.group_size
+        if lo % g or hi % g or lo % 32 or hi % 32:
+            raise ValueError(f"columns [{lo}, {hi}) do not fall on the weight's {g}-element groups")
+        per = 2 if self.bits == 4 else 1
+        biases = None if self.biases is None else self.biases[:, lo // g:hi // g]
+        return QuantWeight(self.qweight[:, lo // per:hi // per].contiguous(),
+                           self.scales[:, lo // g:hi // g].contiguous(),
+                           None if biases is None else biases.contiguous(), self.bits, g)
 
     def nbytes(self) -> int:
         """Bytes held in memory (codes, scales, biases)."""

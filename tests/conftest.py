@@ -110,7 +110,11 @@ class HFReference:
         if path not in self.models:
             from transformers import AutoModelForCausalLM
 
-            m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            if path.endswith(".gguf"):  # transformers dequantizes a GGUF file to float32
+                m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                         dtype=torch.float32)
+            else:
+                m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             m.generation_config.eos_token_id = None  # compare full lengths: the engine ignores EOS too
             m.generation_config.pad_token_id = 0
             self.models[path] = m.eval()

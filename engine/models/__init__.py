@@ -13,11 +13,14 @@ import pkgutil
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, Quantization
 from engine.errors import ConfigError
+from engine.gguf_model.checkpoint import read_tensors
+from engine.gguf_model.folder import GGUF_LINK, read_index
 from engine.models.base import MODEL_REGISTRY, CausalLM, Weights, register_model
 from engine.models.layers import MoESplit
 from kernels.cpu_linear import LinearKind
+from kernels.quant import QuantWeight, quantize_int4, quantize_int8
 
 
 def _import_model_files() -> None:
@@ -43,14 +46,39 @@ def model_class(architecture: str) -> type[CausalLM]:
 
 def build_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
                 max_positions: int, mlp_shard: tuple[int, int] = (0, 1), linear: LinearKind = "torch",
-                moe_split: MoESplit = "experts") -> CausalLM:
+                moe_split: MoESplit = "experts", quantization: Quantization = "auto") -> CausalLM:
     """The model for `cfg.architecture` with the checkpoint weights in `model_dir`."""
     cls = model_class(cfg.architecture)  # before reading what may be gigabytes of weights
-    return cls(cfg, load_weights(model_dir), dtype, device, max_positions, mlp_shard, linear, moe_split=moe_split)
+    return cls(cfg, load_weights(model_dir, quantization), dtype, device, max_positions, mlp_shard, linear,
+               moe_split=moe_split)
 
 
-def load_weights(model_dir: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a single or sharded safetensors checkpoint, on the CPU."""
+def is_projection(name: str) -> bool:
+    """A weight the models multiply by as a linear layer (the ones quantization applies to); the
+    embedding table counts (it is the LM head of a tied model; its lookups dequantize rows)."""
+    return name.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))
+
+
+def load_weights(model_dir: str, quantization: Quantization = "auto") -> dict[str, torch.Tensor | QuantWeight]:
+    """Every tensor of the checkpoint (a GGUF file, or single or sharded safetensors), on the CPU:
+    float tensors, and `QuantWeight`s for the projections a quantized format holds (`auto`) or
+    that `int8` / `int4` quantize here; `none` dequantizes everything."""
+    weights = _read_checkpoint(model_dir, quantization)
+    if quantization in ("int8", "int4"):
+        quantize = quantize_int8 if quantization == "int8" else quantize_int4
+        for name, w in weights.items():
+            if is_projection(name) and w.dim() == 2 and w.shape[1] % 32 == 0:
+                weights[name] = quantize(w)
+    return weights
+
+
+def _read_checkpoint(model_dir: str, quantization: Quantization) -> dict[str, torch.Tensor | QuantWeight]:
+    gguf = os.path.join(model_dir, GGUF_LINK)
+    if os.path.exists(gguf):
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        keep = is_projection if quantization == "auto" else (lambda name: False)
+        return read_tensors(os.path.realpath(gguf), read_index(model_dir), cfg, keep)
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:

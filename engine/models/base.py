@@ -11,6 +11,7 @@ from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import MoESplit
 from kernels.cpu_linear import LinearKind
+from kernels.quant import QuantWeight
 
 # HF `architectures` name -> model class; filled by @register_model when a model file is imported.
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {}
@@ -81,17 +82,57 @@ class CausalLM:
     def num_parameters(self) -> int:
         raise NotImplementedError
 
+    def weight_bytes(self) -> int:
+        """Bytes of every tensor the model holds (weights as stored: quantized blocks, packed
+        panels, the RoPE tables), each storage counted once."""
+        return _tensor_bytes(self, set(), set())
+
+
+def _tensor_bytes(obj: object, seen: set[int], visited: set[int]) -> int:
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:  # a oneDNN-packed weight has no data_ptr to share
+            return obj.numel() * obj.element_size()
+        ptr = obj.untyped_storage().data_ptr()
+        if ptr in seen:
+            return 0
+        seen.add(ptr)
+        return obj.untyped_storage().nbytes()
+    if id(obj) in visited or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)):
+        return 0
+    visited.add(id(obj))
+    if isinstance(obj, dict):
+        children = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        children = list(obj)
+    else:
+        children = list(getattr(obj, "__dict__", {}).values())
+        children += [getattr(obj, n) for c in type(obj).__mro__ for n in getattr(c, "__slots__", ()) if hasattr(obj, n)]
+    return sum(_tensor_bytes(c, seen, visited) for c in children)
+
 
 class Weights:
-    """A checkpoint's tensors by HF name; `w(name)` is that tensor on the model's device and dtype."""
+    """A checkpoint's tensors by HF name; `w(name)` is that tensor on the model's device and dtype
+    (dequantized if the checkpoint holds it quantized); `w.linear(name)` keeps a quantized one
+    quantized (a `kernels.quant.QuantWeight` on the device), for `make_linear`."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor | QuantWeight], dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.tensors, self.dtype, self.device = tensors, dtype, device
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def _get(self, name: str) -> torch.Tensor | QuantWeight:
         if name not in self.tensors:
             raise ConfigError(f"checkpoint is missing weight {name!r}")
-        return self.tensors[name].to(device=self.device, dtype=self.dtype)
+        return self.tensors[name]
+
+    def __call__(self, name: str) -> torch.Tensor:
+        w = self._get(name)
+        if isinstance(w, QuantWeight):
+            return w.dequantize(self.dtype).to(self.device)
+        return w.to(device=self.device, dtype=self.dtype)
+
+    def linear(self, name: str) -> torch.Tensor | QuantWeight:
+        w = self._get(name)
+        return w.to(self.device) if isinstance(w, QuantWeight) else w.to(device=self.device, dtype=self.dtype)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engine.errors import ConfigError
 from kernels.cpu_linear import Linear, LinearKind
 from kernels.moe import expert_counts, grouped_moe, select_experts
+from kernels.quant import QuantLinear, QuantWeight
 
 # Long prefills on the CPU run the per-token parts of a layer (norms, projections, RoPE, MLP) in
 # blocks of this many rows, so their intermediates (the MLP's [rows, 2 x intermediate] above
@@ -28,6 +29,26 @@ def row_blocks(rows: int, device: torch.device) -> list[slice]:
     if device.type != "cpu" or rows <= CPU_ROW_BLOCK:
         return [slice(None)]
     return [slice(s, s + CPU_ROW_BLOCK) for s in range(0, rows, CPU_ROW_BLOCK)]
+
+
+def make_linear(parts: torch.Tensor | QuantWeight | list[torch.Tensor | QuantWeight],
+                bias: torch.Tensor | None = None, kind: LinearKind = "torch") -> Linear | QuantLinear:
+    """One projection over the weights `parts` stacked by rows (a fused q/k/v or gate/up): a
+    `QuantLinear` if they are all quantized, else a `Linear` of `kind` (quantized parts beside
+    float ones are dequantized into the float parts' dtype)."""
+    parts = parts if isinstance(parts, list) else [parts]
+    if all(isinstance(p, QuantWeight) for p in parts):
+        return QuantLinear(parts, bias)
+    dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+    dense = [p.dequantize(dtype) if isinstance(p, QuantWeight) else p for p in parts]
+    return Linear(dense[0] if len(dense) == 1 else torch.cat(dense), bias, kind=kind)
+
+
+def embed_tokens(ids: torch.Tensor, table: torch.Tensor | QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the embedding table (a quantized table dequantizes just those rows)."""
+    if isinstance(table, QuantWeight):
+        return table.dequantize_rows(ids, dtype)
+    return F.embedding(ids, table)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,7 +107,7 @@ class Attention:
     """The projections around the attention backend: a fused q/k/v projection (optional bias),
     optional per-head q/k RMSNorm (Qwen3), RoPE on q and k, and the o-projection."""
 
-    def __init__(self, qkv: Linear, o: Linear, num_heads: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, qkv: Linear | QuantLinear, o: Linear | QuantLinear, num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> None:
         self.qkv_proj, self.o_proj = qkv, o
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
@@ -156,16 +177,24 @@ def shard_range(size: int, shard: tuple[int, int], what: str = "intermediate_siz
     return rank * size // world, (rank + 1) * size // world
 
 
+def _rows(w: torch.Tensor | QuantWeight, lo: int, hi: int) -> torch.Tensor | QuantWeight:
+    return w.select_rows(slice(lo, hi)) if isinstance(w, QuantWeight) else w[lo:hi]
+
+
 class GatedMLP:
     """down(silu(gate(x)) * up(x)), gate and up fused into one projection; holds the `shard`
     (rank, world) slice of the intermediate dim."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 shard: tuple[int, int] = (0, 1), linear: LinearKind = "torch") -> None:
+    def __init__(self, gate: torch.Tensor | QuantWeight, up: torch.Tensor | QuantWeight,
+                 down: torch.Tensor | QuantWeight, shard: tuple[int, int] = (0, 1),
+                 linear: LinearKind = "torch") -> None:
         lo, hi = shard_range(gate.shape[0], shard)
         self.sharded = shard[1] > 1
-        self.gate_up = Linear(torch.cat([gate[lo:hi], up[lo:hi]]), kind=linear)
-        self.down = Linear(down[:, lo:hi].contiguous(), kind=linear)
+        if self.sharded:
+            gate, up = (_rows(t, lo, hi) for t in (gate, up))
+            down = down.select_cols(lo, hi) if isinstance(down, QuantWeight) else down[:, lo:hi].contiguous()
+        self.gate_up = make_linear([gate, up], kind=linear)
+        self.down = make_linear(down, kind=linear)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         blocks = row_blocks(x.shape[0], x.device)  # > 1 only for attention-DP's gathered rows

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
@@ -18,11 +17,13 @@ from engine.models.layers import (
     GatedMLP,
     MoESplit,
     RoPE,
+    embed_tokens,
+    make_linear,
     rms_norm,
     row_blocks,
 )
 from kernels import cpu_kernels
-from kernels.cpu_linear import Linear, LinearKind
+from kernels.cpu_linear import LinearKind
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -38,10 +39,10 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, linear, moe_split)
         w = Weights(weights, dtype, device)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
-        self.embed = w("model.embed_tokens.weight")
+        self.embed = w.linear("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in w
-        self.lm_head = Linear(self.embed if self.tied else w("lm_head.weight"), kind=linear)
+        self.lm_head = make_linear(self.embed if self.tied else w.linear("lm_head.weight"), kind=linear)
         self.layers = [
             DecoderLayer(w(p + "input_layernorm.weight"), self.make_attention(w, p, linear),
                          w(p + "post_attention_layernorm.weight"), self.make_mlp(w, p, mlp_shard, linear),
@@ -53,8 +54,8 @@ class LlamaForCausalLM(CausalLM):
     def make_attention(self, w: Weights, p: str, linear: LinearKind) -> Attention:
         cfg = self.cfg
         bias = torch.cat([w(f"{p}self_attn.{x}_proj.bias") for x in "qkv"]) if cfg.attention_bias else None
-        qkv = Linear(torch.cat([w(f"{p}self_attn.{x}_proj.weight") for x in "qkv"]), bias, kind=linear)
-        o = Linear(w(p + "self_attn.o_proj.weight"), kind=linear)
+        qkv = make_linear([w.linear(f"{p}self_attn.{x}_proj.weight") for x in "qkv"], bias, kind=linear)
+        o = make_linear(w.linear(p + "self_attn.o_proj.weight"), kind=linear)
         q_norm, k_norm = ((w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight"))
                           if cfg.qk_norm else (None, None))
         return Attention(qkv, o, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -62,18 +63,18 @@ class LlamaForCausalLM(CausalLM):
 
     def make_mlp(self, w: Weights, p: str, mlp_shard: tuple[int, int], linear: LinearKind) -> MLP:
         """The MLP slot of layer prefix `p`."""
-        return GatedMLP(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"),
-                        w(p + "mlp.down_proj.weight"), mlp_shard, linear)
+        return GatedMLP(w.linear(p + "mlp.gate_proj.weight"), w.linear(p + "mlp.up_proj.weight"),
+                        w.linear(p + "mlp.down_proj.weight"), mlp_shard, linear)
 
     def num_parameters(self) -> int:
-        n = self.embed.numel() + self.norm.numel() + (0 if self.tied else self.lm_head.numel())
+        n = self.embed.shape.numel() + self.norm.numel() + (0 if self.tied else self.lm_head.numel())
         return n + sum(layer.numel() for layer in self.layers)
 
     def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
         """Hidden states of the tokens at fb.last_token_indices -> logits [bs, vocab]."""
         if getattr(attn, "fused_rope_decode", False) and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle()):
             return self.forward_decode(fb, attn)
-        h = F.embedding(fb.input_ids, self.embed)
+        h = embed_tokens(fb.input_ids, self.embed, self.dtype)
         cos, sin = self.rope(fb.positions)
         T = h.shape[0]
         residual = h  # a fresh tensor: updated in place below
@@ -99,7 +100,7 @@ class LlamaForCausalLM(CausalLM):
         calls where the general path makes about twenty-five. This is what a CPU decode graph
         (engine/cpu_graph.py) compiles."""
         eps = self.cfg.rms_norm_eps
-        residual = F.embedding(fb.input_ids, self.embed)  # a fresh tensor: updated in place below
+        residual = embed_tokens(fb.input_ids, self.embed, self.dtype)  # a fresh tensor: updated in place below
         T = residual.shape[0]
         x = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
         cos, sin = self.rope.cos, self.rope.sin_signed

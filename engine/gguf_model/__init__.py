@@ -1,0 +1,1 @@
+"""GGUF checkpoints: metadata, tokenizer and weights read from one llama.cpp file."""
