@@ -77,7 +77,8 @@ from cluster import Cluster, ClusterConfig
 from cluster.bench_pd import case_pd, percentile
 from cluster.stats import ClusterStats
 from engine import SamplingParams
-from engine.bench import BENCH_ARCH, bench_model_path, random_prompts
+from engine.bench import BENCH_ARCH, bench_model_path
+from engine.bench_common import random_prompts
 from engine.builtin_model import cached_random_checkpoint, moe_config
 
 # About 75M parameters: 50M in the experts (8 layers x 8 experts x 3 x 512 x 512), 25M dense

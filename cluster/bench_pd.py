@@ -19,7 +19,8 @@ import uuid
 
 from cluster import Cluster, ClusterConfig
 from engine import SamplingParams
-from engine.bench import BENCH_ARCH, random_prompts
+from engine.bench import BENCH_ARCH
+from engine.bench_common import random_prompts
 
 PD_CHUNK = 256  # chunked_prefill_size of every engine in the pd case
 

@@ -26,6 +26,9 @@ Cases (same machine, same weights, float32, greedy, ignore_eos):
               decode graphs on and off (fp32 and bf16), prefill tok/s (the project's GEMM vs
               oneDNN), and the CPU-side launch overhead of a decode step (the same layers at
               hidden size 16: all dispatch, no math), which is what graphs save on a GPU too.
+  quant       SmolLM2-135M-Instruct from its GGUF file as F32, BF16, Q4_1 (kept quantized), int8 and
+              int4: decode tok/s at batch 1, 8, 32, prefill, bytes read per step (engine/bench_quant.py);
+              with --llama-cpp DIR, llama.cpp on the same file.
 `--quick` shrinks every workload (a smoke run, not a measurement to quote).
 """
 
@@ -42,6 +45,16 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, SamplingParams
+from engine.bench_common import (
+    GREEDY_WARMUP,
+    decode_rates,
+    line,
+    llc_bytes,
+    random_prompts,
+    read_bandwidth,
+    run_engine,
+)
+from engine.bench_quant import case_quant
 from engine.builtin_model import (
     byte_level_tokenizer,
     cached_random_checkpoint,
@@ -89,20 +102,6 @@ def layer_skip_draft(path: str, layers: int) -> str:
     return out
 
 
-def random_prompts(n: int, lo: int, hi: int, vocab: int, rng: random.Random) -> list[list[int]]:
-    return [[rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def run_engine(eng: Engine, prompts: list[list[int]], outs: list[int]) -> float:
-    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
-    t0 = time.perf_counter()
-    results = eng.generate(input_ids=prompts, sampling_params=params)
-    dt = time.perf_counter() - t0
-    assert [len(r.token_ids) for r in results] == outs, "engine skipped work"
-    eng.check_memory()
-    return dt
-
-
 def run_hf_static(path: str, prompts: list[list[int]], outs: list[int], batch: int = 16) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -119,11 +118,6 @@ def run_hf_static(path: str, prompts: list[list[int]], outs: list[int], batch: i
             out = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, do_sample=False)
         assert out.shape[1] == width + n_out, "transformers stopped early"
     return time.perf_counter() - t0
-
-
-def line(case: str, a_name: str, a: float, b_name: str, b: float, unit: str, extra: str = "") -> None:
-    print(f"{case:<10} {a_name}={a:,.1f} {unit}  {b_name}={b:,.1f} {unit}  ratio={a / b:.2f}x {extra}".rstrip(),
-          flush=True)
 
 
 def case_mixed(path: str, scale: float) -> None:
@@ -397,76 +391,6 @@ def case_structured(path: str, scale: float) -> None:
               f"apply {1e3 * apply / steps:.3f}) over {steps} steps", flush=True)
 
 
-GREEDY_WARMUP = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-
-
-def llc_bytes() -> int:
-    """The largest cache of CPU 0 (sysfs: the last level), or 32 MiB when sysfs says nothing."""
-    sizes = []
-    for index in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes, default=32 << 20)
-
-
-def read_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
-    """Best-of-`repeats` bytes/s reading a float32 buffer of `nbytes` once: a torch reduction and
-    the project's C++ streaming read with every thread."""
-    from kernels import cpu_kernels
-
-    buf = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    out = {"torch_sum": buf.numel() * 4 / best}
-    del buf
-    if cpu_kernels.load() is not None:
-        out["cpp_stream"] = cpu_kernels.stream_read_bandwidth(nbytes, repeats)
-    return out
-
-
-def decode_rates(path: str, bs: int, out_len: int, rounds: int, configs: dict[str, dict]) -> dict[str, dict]:
-    """Per config (engine kwargs), one engine; `rounds` alternating runs of bs requests (128-token
-    prompts, out_len greedy tokens each, new prompts every run), so that a busy machine's stalls
-    hit runs, not one side: best decode tok/s and ms/step, best prefill tok/s, compile seconds."""
-    rng = random.Random(9)
-    engines = {name: Engine(model_path=path, max_total_tokens=16384, max_running_requests=bs, **kw)
-               for name, kw in configs.items()}
-    vocab = next(iter(engines.values())).model_config.vocab_size
-    out = {}
-    for name, eng in engines.items():  # warm-up (the graphs compiled when the engine started)
-        eng.generate(input_ids=random_prompts(bs, 128, 128, vocab, rng), sampling_params=GREEDY_WARMUP)
-        graphs = eng.model_runner.graph_runner
-        out[name] = {"decode": 0.0, "step_ms": float("inf"), "forward_ms": float("inf"), "prefill": 0.0,
-                     "compile_s": sum(graphs.compile_seconds.values()) if graphs is not None else 0.0,
-                     "compiled": len(graphs.compile_seconds) if graphs is not None else 0}
-        if graphs is not None and getattr(graphs, "failed", None):
-            print(f"roofline   {name}: graphs failed to compile: {graphs.failed}", flush=True)
-    for _ in range(rounds):
-        prompts = random_prompts(bs, 128, 128, vocab, rng)
-        for name, eng in engines.items():
-            eng.step_seconds.clear()
-            eng.step_count.clear()
-            eng.scheduler.forward_seconds.clear()
-            run_engine(eng, prompts, [out_len] * bs)  # (each engine its own cache: no hits)
-            steps, secs = eng.step_count["DECODE"], eng.step_seconds["DECODE"]
-            best = out[name]
-            best["decode"] = max(best["decode"], bs * steps / secs)
-            best["step_ms"] = min(best["step_ms"], 1e3 * secs / steps)
-            best["forward_ms"] = min(best["forward_ms"], 1e3 * eng.scheduler.forward_seconds["DECODE"] / steps)
-            best["prefill"] = max(best["prefill"], 128 * bs / eng.step_seconds["EXTEND"])
-    del engines
-    gc.collect()
-    return out
-
-
 def case_roofline_bs1(path: str, scale: float) -> None:
     """Decode against the memory roofline: bandwidth, floor, graphs on/off at batch 1, 8, 32."""
     path = cached_random_checkpoint("roofline-llama-22m-v1", llama_config(**ROOFLINE_ARCH), std=0.02)
@@ -523,7 +447,7 @@ def case_roofline_bs1(path: str, scale: float) -> None:
 
 CASES = {"mixed": case_mixed, "prefill": case_prefill, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
          "overlap": case_overlap, "linear": case_linear, "spec": case_spec, "structured": case_structured,
-         "roofline_bs1": case_roofline_bs1}
+         "roofline_bs1": case_roofline_bs1, "quant": case_quant}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -532,13 +456,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", default="mixed,prefill,prefix,overhead,roofline,overlap,linear", help=f"comma list of {list(CASES)}")
     ap.add_argument("--quick", action="store_true", help="tiny workloads: a smoke run, not a measurement")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--llama-cpp", default=None, help="quant case: a llama.cpp build folder (llama-bench, "
+                    "llama-batched-bench) to run on the same GGUF file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = bench_model_path()
     print(f"# engine bench: torch {torch.__version__}, {torch.get_num_threads()} threads, model {path}", flush=True)
     for name in args.cases.split(","):
-        CASES[name](path, 0.125 if args.quick else 1.0)
+        scale = 0.125 if args.quick else 1.0
+        if name == "quant":
+            case_quant(path, scale, args.llama_cpp)
+        else:
+            CASES[name](path, scale)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ class Tokenizer:
         self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         # None: trust tokenizer.json's post-processor, as transformers does.
         self.add_bos_token: bool | None = cfg.get("add_bos_token")
+        # Whether the post-processor itself prepends BOS: only such a BOS is dropped when the
+        # config says add_bos_token=False (a text may begin with the BOS token's own text).
+        self._post_adds_bos = self.bos_token_id is not None and self.tok.encode("").ids[:1] == [self.bos_token_id]
         template = cfg.get("chat_template")
         jinja_file = os.path.join(model_dir, "chat_template.jinja")
         if template is None and os.path.isfile(jinja_file):
@@ -78,7 +81,7 @@ class Tokenizer:
         if add_special_tokens and self.bos_token_id is not None:
             if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
                 ids = [self.bos_token_id] + ids
-            elif self.add_bos_token is False and ids and ids[0] == self.bos_token_id:
+            elif self.add_bos_token is False and self._post_adds_bos and ids and ids[0] == self.bos_token_id:
                 ids = ids[1:]
         return ids
 

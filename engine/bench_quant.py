@@ -1,0 +1,89 @@
+"""`python -m engine.bench --cases quant`: SmolLM2-135M-Instruct from its GGUF file with its weights
+as F32 and BF16 (dequantized at load), Q4_1 (the file's own blocks, computed as quantized: its
+tied embedding / LM head is Q8_0), and int8 / int4 (quantized at load from the dequantized F32:
+int8 is Q8_0's scheme, int4 Q4_1's), side by side in one run: decode tok/s at batch 1, 8 and 32
+(128-token prompts, 128 new tokens, best of the rounds), prefill tok/s, the weight bytes a decode
+step reads and those bytes over the step time against this machine's measured read bandwidth.
+With `--llama-cpp DIR` (a llama.cpp build: `llama-bench`, `llama-batched-bench`) llama.cpp runs
+the same file in the same process tree, after the engine, with the same thread count and
+`--no-repack` (its repacking of Q4_1 crashes on this machine's CPU)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import subprocess
+
+import torch
+
+from engine.bench_common import decode_rates, line, llc_bytes, read_bandwidth
+from engine.engine import Engine
+from engine.gguf_model.smollm2 import smollm2_gguf_path
+
+CONFIGS = {
+    "F32": {"quantization": "none", "dtype": "float32"},
+    "BF16": {"quantization": "none", "dtype": "bfloat16"},
+    "Q4_1": {"quantization": "auto"},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+}
+
+
+def llama_cpp_rates(bin_dir: str, path: str, threads: int, batches: tuple[int, ...]) -> dict[int, float]:
+    """llama.cpp's decode tok/s at each batch size: llama-bench's tg128 at batch 1 (128-token
+    prompt, then 128 tokens), llama-batched-bench's S_TG for more parallel sequences."""
+    rates: dict[int, float] = {}
+    bench = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", path, "-t", str(threads), "-p", "0",
+                            "-n", "128", "-pg", "128,128", "-nr", "1", "-o", "json"],
+                           capture_output=True, text=True, timeout=600)
+    if bench.returncode == 0:
+        for row in json.loads(bench.stdout):
+            if row.get("n_prompt") == 0 and row.get("n_gen") == 128:
+                rates[1] = float(row["avg_ts"])
+    else:
+        print(f"quant      llama-bench failed: {bench.stderr.strip()[-300:]}", flush=True)
+    many = [b for b in batches if b > 1]
+    if many:
+        out = subprocess.run([os.path.join(bin_dir, "llama-batched-bench"), "-m", path, "-t", str(threads),
+                              "-c", str(256 * max(many)), "-npp", "128", "-ntg", "128",
+                              "-npl", ",".join(map(str, many)), "--no-repack"],
+                             capture_output=True, text=True, timeout=1200)
+        for m in re.finditer(r"^\|\s*128\s*\|\s*128\s*\|\s*(\d+)\s*\|.*?\|.*?\|.*?\|.*?\|\s*([\d.]+)\s*\|", out.stdout, re.M):
+            rates[int(m[1])] = float(m[2])
+        if out.returncode:
+            print(f"quant      llama-batched-bench failed: {out.stderr.strip()[-300:]}", flush=True)
+    return rates
+
+
+def case_quant(path: str, scale: float, llama_cpp: str | None = None) -> None:
+    gguf = smollm2_gguf_path()
+    nbytes = max(1 << 30, 4 * llc_bytes())
+    bandwidth = max(read_bandwidth(nbytes).values())
+    print(f"quant      SmolLM2-135M-Instruct ({os.path.basename(gguf)}); read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    weight_bytes = {}
+    for name, kw in CONFIGS.items():
+        eng = Engine(model_path=gguf, max_total_tokens=4096, **kw)
+        weight_bytes[name] = eng.model_runner.model.weight_bytes()
+        del eng
+        gc.collect()
+    out_len, rounds = (128, 3) if scale >= 1 else (16, 1)
+    results: dict[int, dict[str, dict]] = {}
+    for bs in (1, 8, 32):
+        results[bs] = r = decode_rates(gguf, bs, out_len, rounds, CONFIGS)
+        for name in CONFIGS:
+            gbps = weight_bytes[name] / (r[name]["step_ms"] / 1e3) / 1e9
+            print(f"quant      bs={bs:<2} {name:5}: decode {r[name]['decode']:8.1f} tok/s, {r[name]['step_ms']:7.2f} ms/step, "
+                  f"prefill {r[name]['prefill']:8.0f} tok/s, weights {weight_bytes[name] / 1e6:6.1f} MB "
+                  f"-> {gbps:5.1f} GB/s read ({gbps * 1e9 / bandwidth:.0%} of the measured bandwidth)", flush=True)
+        line("quant", f"Q4_1 bs={bs}", r["Q4_1"]["decode"], "F32", r["F32"]["decode"], "decode tok/s",
+             "(floor: 4x at batch 1; every format >= F32)")
+        line("quant", f"Q4_1 prefill bs={bs}", r["Q4_1"]["prefill"], "F32", r["F32"]["prefill"], "prompt tok/s",
+             "(floor 0.8x)")
+    if llama_cpp:
+        lc = llama_cpp_rates(llama_cpp, gguf, torch.get_num_threads(), (1, 8, 32))
+        for bs, rate in sorted(lc.items()):
+            line("quant", f"Q4_1 bs={bs} radixray", results[bs]["Q4_1"]["decode"], "llama.cpp", rate, "decode tok/s",
+                 "(floor 1.0x at batch 1 and 8, 1.2x at 32; llama.cpp --no-repack)")
