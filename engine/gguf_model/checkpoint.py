@@ -7,13 +7,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import msgspec
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as GGMLType
-from gguf import GGUFReader
 
 from engine.errors import ConfigError
+from engine.gguf_model.header import TensorInfo
 from engine.gguf_model.quants import FLOAT_TYPES, check_type, to_float, to_quant
 from kernels.quant import QuantWeight
 
@@ -37,32 +36,27 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
-def field(reader: GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def hf_config(reader: GGUFReader) -> dict:
+def hf_config(metadata: dict, tensors: list[TensorInfo]) -> dict:
     """config.json of the file's model, from its metadata (the keys transformers reads)."""
-    arch = field(reader, "general.architecture")
+    arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in tensors}
     if "rope_freqs.weight" in names:
         raise ConfigError("this GGUF file scales RoPE by a rope_freqs tensor (Llama 3.1 style), which is not supported")
     hf_arch, model_type = ARCHITECTURES[arch]
-    if arch == "llama" and "mistral" in str(field(reader, "general.name", "")).lower():
+    if arch == "llama" and "mistral" in str(metadata.get("general.name", "")).lower():
         hf_arch, model_type = ARCHITECTURES["mistral"]
 
     def get(key: str, default=None):
-        return field(reader, f"{arch}.{key}", default)
+        return metadata.get(f"{arch}.{key}", default)
 
     heads = get("attention.head_count")
     hidden = get("embedding_length")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = metadata.get("tokenizer.ggml.tokens")
     cfg = {
         "architectures": [hf_arch], "model_type": model_type,
-        "vocab_size": get("vocab_size") or (len(tokens.data) if tokens is not None else None),
+        "vocab_size": get("vocab_size") or (len(tokens) if tokens else None),
         "hidden_size": hidden, "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv", heads),
@@ -73,9 +67,9 @@ def hf_config(reader: GGUFReader) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "hidden_act": "silu",
-        "torch_dtype": "float32" if all(t.tensor_type in FLOAT_TYPES for t in reader.tensors) else "bfloat16",
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32" if all(GGMLType(t.ggml_type) in FLOAT_TYPES for t in tensors) else "bfloat16",
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
     }
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
@@ -109,25 +103,11 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).view(n_head, half, 2).transpose(1, 2).reshape(n_rows)
 
 
-class TensorInfo(msgspec.Struct, frozen=True):
-    """Where a tensor lies in the file, under its GGUF name; `shape` outermost first (torch's order)."""
-
-    name: str
-    ggml_type: int
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def tensor_index(reader: GGUFReader) -> list[TensorInfo]:
-    """The file's tensors, checked (a type the engine cannot compute is a ConfigError naming the
-    tensor): read once, when the file's folder is made, so loading never parses the metadata."""
-    out = []
-    for t in reader.tensors:
-        check_type(t.name, t.tensor_type)
-        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost first
-        out.append(TensorInfo(t.name, int(t.tensor_type), shape, int(t.data_offset), int(t.n_bytes)))
-    return out
+def check_types(tensors: list[TensorInfo]) -> None:
+    """A type the engine cannot compute is a ConfigError naming the tensor (said when the file's
+    folder is made, and again at each load)."""
+    for t in tensors:
+        check_type(t.name, GGMLType(t.ggml_type))
 
 
 def read_tensors(path: str, index: list[TensorInfo], cfg: dict,

@@ -13,17 +13,17 @@ import shutil
 import tempfile
 
 import msgspec
-from gguf import GGUFReader
 
 from engine.errors import ConfigError
-from engine.gguf_model.checkpoint import TensorInfo, hf_config, tensor_index
+from engine.gguf_model.checkpoint import check_types, hf_config
+from engine.gguf_model.header import TensorInfo, read_header
 from engine.gguf_model.tokenizer import tokenizer_from_gguf
 from kernels.cache import cache_dir
 
 GGUF_LINK = "model.gguf"
 TENSOR_INDEX = "gguf_tensors.json"  # engine.gguf_model.checkpoint.TensorInfo per tensor
 # Bump when what is written from the metadata changes: older folders are then made again.
-FOLDER_VERSION = "v2"
+FOLDER_VERSION = "v3"
 
 
 def gguf_file(path: str) -> str | None:
@@ -64,11 +64,10 @@ def gguf_folder(path: str) -> str:
 
 
 def write_folder(path: str, out_dir: str) -> None:
-    reader = GGUFReader(path)
-    cfg = hf_config(reader)
-    index = tensor_index(reader)
-    tok, tok_cfg = tokenizer_from_gguf({k: f.contents() for k, f in reader.fields.items()
-                                        if k.startswith("tokenizer.") or k.startswith("general.")})
+    metadata, index = read_header(path)
+    check_types(index)
+    cfg = hf_config(metadata, index)
+    tok, tok_cfg = tokenizer_from_gguf(metadata)
     tok_cfg.setdefault("model_max_length", cfg["max_position_embeddings"])
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     _write_json(os.path.join(out_dir, "config.json"), cfg)

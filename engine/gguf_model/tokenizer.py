@@ -13,8 +13,6 @@ Supported: `tokenizer.ggml.model` "gpt2" (byte-level BPE: SmolLM2, Qwen2/3, Llam
 
 from __future__ import annotations
 
-import mmap
-import struct
 from collections.abc import Collection, Iterable
 
 from tokenizers import (
@@ -83,59 +81,6 @@ _READD_SPECIALS_ARCHS = frozenset({"qwen2", "qwen3", "qwen2moe", "qwen3moe"})
 # SentencePiece vocabularies that transformers builds differently (Gemma's respelled tokens and
 # merge order); not rebuilt here.
 _UNSUPPORTED_SPM_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
-
-
-def read_metadata(path: str) -> dict:
-    """Every metadata field of a GGUF file as plain Python values, the same as
-    `gguf.GGUFReader(path).fields[key].contents()` (including its "GGUF.version",
-    "GGUF.tensor_count" and "GGUF.kv_count"), without tensor data; an array of arrays (no known
-    file has one) comes back nested where GGUFReader flattens it. Parsed with struct: GGUFReader
-    builds a numpy view per vocabulary string, seconds for a 150k-token vocabulary."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ConfigError(f"{path} is not a GGUF file (no GGUF magic)")
-        (version,) = struct.unpack_from("<I", buf, 4)
-        if version not in (2, 3):  # a big-endian file reads as 2 << 24 here
-            raise ConfigError(f"{path}: GGUF version {version} is not supported (little-endian v2/v3 are)")
-        tensor_count, kv_count = struct.unpack_from("<QQ", buf, 8)
-        metadata: dict = {"GGUF.version": version, "GGUF.tensor_count": tensor_count, "GGUF.kv_count": kv_count}
-        pos = 24
-        for _ in range(kv_count):
-            key, pos = _read_string(buf, pos)
-            (value_type,) = struct.unpack_from("<I", buf, pos)
-            metadata[key], pos = _read_value(buf, pos + 4, value_type)
-    return metadata
-
-
-# GGUF metadata value types (gguf.GGUFValueType) of fixed size, and their struct codes
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _read_string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", buf, pos)
-    end = pos + 8 + length
-    return buf[pos + 8:end].decode("utf-8"), end
-
-
-def _read_value(buf: mmap.mmap, pos: int, value_type: int) -> tuple[object, int]:
-    if value_type in _GGUF_SCALARS:
-        fmt = "<" + _GGUF_SCALARS[value_type]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    if value_type == _GGUF_STRING:
-        return _read_string(buf, pos)
-    if value_type != _GGUF_ARRAY:
-        raise ConfigError(f"GGUF metadata value type {value_type} is unknown")
-    item_type, count = struct.unpack_from("<IQ", buf, pos)
-    pos += 12
-    if item_type in _GGUF_SCALARS:
-        fmt = f"<{count}{_GGUF_SCALARS[item_type]}"
-        return list(struct.unpack_from(fmt, buf, pos)), pos + struct.calcsize(fmt)
-    items = []
-    for _ in range(count):
-        item, pos = _read_value(buf, pos, item_type)
-        items.append(item)
-    return items, pos
 
 
 def tokenizer_from_gguf(metadata: dict) -> tuple[Tokenizer, dict]:

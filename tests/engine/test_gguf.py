@@ -13,10 +13,12 @@ import os
 
 import pytest
 from gguf import GGMLQuantizationType as GGMLType
+from gguf import GGUFReader
 
 from engine import Engine, SamplingParams
 from engine.builtin_model import llama_config, random_llama_weights
 from engine.errors import ConfigError
+from engine.gguf_model.header import read_header
 from engine.gguf_model.smollm2 import installed_gguf_path
 from engine.model_path import resolve_model_path
 from kernels.quant import QuantLinear
@@ -88,6 +90,16 @@ def test_kept_quantized_close_to_dequantized(gguf_dir, ggml_type):
         err = max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:]))
         assert err < 0.15, f"{ggml_type.name}: a prompt token's logprob moved by {err:.3f}"
     eng.check_memory()
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.F16, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_header_matches_gguf_reader(gguf_dir, ggml_type):
+    """The engine's own header reader finds every tensor where gguf's GGUFReader does."""
+    path = written(gguf_dir, ggml_type)
+    _, tensors = read_header(path)
+    want = [(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), int(t.data_offset), int(t.n_bytes))
+            for t in GGUFReader(path).tensors]
+    assert [(t.name, t.ggml_type, t.shape, t.offset, t.nbytes) for t in tensors] == want
 
 
 def test_unsupported_type_is_named_at_load(tmp_path):

@@ -17,7 +17,8 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from engine.errors import ConfigError  # noqa: E402
-from engine.gguf_model.tokenizer import bytes_to_unicode, read_metadata, tokenizer_from_gguf  # noqa: E402
+from engine.gguf_model.header import read_metadata  # noqa: E402
+from engine.gguf_model.tokenizer import bytes_to_unicode, tokenizer_from_gguf  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
