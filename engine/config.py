@@ -150,8 +150,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     device: str = "auto"  # torch device: "cpu", "cuda", "cuda:N", or "auto" (CUDA when available)
     dtype: DType = "auto"  # weights, activations and KV pool; auto: the checkpoint's dtype on CUDA, float32 on the CPU
     # Weights: auto (the checkpoint's format: GGUF block types computed as quantized), none
-    # (dequantized into dtype at load), int8 (per channel) or int4 (groups of 32): the linear
-    # projections quantized at load.
+    # (dequantized into dtype at load), int8 (Q8_0's scheme) or int4 (Q4_1's): the linear
+    # projections of a float checkpoint quantized at load.
     quantization: Quantization = "auto"
     max_total_tokens: int | None = None  # KV slots; None: from mem_fraction_static on CUDA, 65536 on CPU
     mem_fraction_static: float = 0.8  # CUDA: the fraction of device memory for weights plus the KV pool

@@ -65,7 +65,8 @@ def load_weights(model_dir: str, quantization: Quantization = "auto") -> dict[st
     that `int8` / `int4` quantize here; `none` dequantizes everything."""
     weights = _read_checkpoint(model_dir, quantization)
     if quantization in ("int8", "int4"):
-        quantize = quantize_int8 if quantization == "int8" else quantize_int4
+        # int8: Q8_0's scheme (a scale per 32 weights); int4: Q4_1's (a scale and minimum per 32).
+        quantize = (lambda w: quantize_int8(w, 32)) if quantization == "int8" else quantize_int4
         for name, w in weights.items():
             if is_projection(name) and w.dim() == 2 and w.shape[1] % 32 == 0:
                 weights[name] = quantize(w)
