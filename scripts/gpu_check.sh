@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check (no network needed; a few minutes on one GPU): the `gpu` tests (CUDA
 # parity in bf16 and fp32, Triton kernels on the device, CUDA-graph replay vs eager, overlap and
-# speculative verify batches on CUDA with n-gram and draft-model drafts, verify batches replayed as CUDA graphs, fused MoE) and the graph / roofline micro-benchmark. Record its output in docs/BENCHMARKS.md.
+# speculative verify batches on CUDA with n-gram and draft-model drafts, verify batches replayed as CUDA graphs, fused MoE,
+# quantized weights through the Triton kernel) and the graph / roofline and quantized-GEMM micro-benchmarks. Record its output in docs/BENCHMARKS.md.
 #   bash scripts/gpu_check.sh [OUT_DIR]     (after `bash scripts/gpu_wheels.sh` here; carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,11 +17,14 @@ fi
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
 # gpu-marked tests, then the kernel tests (on the device when CUDA is there).
 timeout 240 python3 -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/test_cuda_graph.py tests/engine/test_moe.py \
+    tests/engine/test_quantized.py \
     -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 120 python3 -m pytest -q tests/kernels -p no:cacheprovider 2>&1 | tee -a "$out/gpu_tests.log"
 tests_rc=$(( tests_rc || PIPESTATUS[0] ))
 timeout 240 python3 -m engine.gpu_bench 2>&1 | tee "$out/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
+timeout 120 python3 -m kernels.triton_quant 2>&1 | tee -a "$out/gpu_bench.log"
+bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 echo "gpu_check: tests rc=$tests_rc bench rc=$bench_rc"
 exit $(( tests_rc || bench_rc ))
