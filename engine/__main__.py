@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("--model", default=None, help="HF checkpoint folder (default: the built-in noise model)")
+    g.add_argument("--model", default=None, help="HF checkpoint folder, GGUF file, or a model name (smollm2-135m-instruct, builtin, builtin-moe; default: builtin, random weights)")
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)

@@ -9,6 +9,11 @@
 - Linear layers for x86 CPUs with AVX-512 (`Gemm`): weights repacked once into 16-column panels,
   a register-blocked FMA kernel, and each output summed over k in order whatever the batch size
   (padding a batch never changes a row's result).
+- Linear layers over quantized weights kept in their block format (`qgemm`, kernels/quant.py's
+  format): int8 activations and integer dot products for the few rows of a decode step (the
+  weight streamed once, 4-8x fewer bytes than float32), tiles dequantized to float32 for an FMA
+  kernel above that; a row's result does not depend on the other rows, only on whether the batch
+  has at most `qgemm_int8_max_rows()` rows.
 - RMSNorm with the residual add fused in (`add_rms_norm`), greedy argmax with the finiteness
   check (`argmax_rows`), and a streaming read of a buffer with every thread (`stream_sum`, for
   the memory-bandwidth figure of the benchmark).
@@ -18,7 +23,8 @@ Every kernel is also a torch operator (`torch.ops.radixray.*`, with fake impleme
 round as torch's separate ops do (the build disables FMA contraction; the GEMM uses explicit
 FMAs), bfloat16 results are rounded where torch rounds them.
 
-The C++ lives in kernels/csrc/ (attention.cpp, gemm.cpp, rowwise.cpp, bindings.cpp, common.h).
+The C++ lives in kernels/csrc/ (attention.cpp, gemm.cpp, qgemm.cpp, rowwise.cpp, bindings.cpp,
+common.h).
 Built with torch.utils.cpp_extension (g++ and ninja needed) from a copy of the sources in a folder
 keyed by their contents, the flags, torch version and CPU (so every checkout shares it); `load()` returns None when that is not possible and callers fall
 back to torch. Set RADIXRAY_CPU_KERNELS=0 to disable it."""
@@ -40,7 +46,7 @@ from kernels.cache import cache_dir
 # the build compiles them as one, a generated file that includes them all (a unity build, as
 # CMake's): the torch headers are then parsed once, which halves the build on two cores.
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("attention.cpp", "gemm.cpp", "rowwise.cpp", "bindings.cpp")
+SOURCES = ("attention.cpp", "gemm.cpp", "qgemm.cpp", "rowwise.cpp", "bindings.cpp")
 
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so elementwise math
 # rounds as torch's separate ops do (the GEMM calls FMA explicitly).
@@ -188,6 +194,10 @@ def _register_fakes() -> None:
     def _(x, packed, bias, n):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("radixray::qgemm")
+    def _(x, qweight, scales, biases, bits, group_size, n):
+        return x.new_empty(x.shape[0], n, dtype=torch.float32)
+
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -231,6 +241,14 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, 
     """bfloat16 x [M, K] @ W^T (+ bias) over W packed by gemm_pack_bf16: [M, n]."""
     fn = torch.ops.radixray.gemm_bf16 if torch.compiler.is_compiling() else _eager("gemm_bf16")
     return fn(x, panels, bias, n)
+
+
+def qgemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None, bits: int,
+          group_size: int, n: int) -> torch.Tensor:
+    """x [M, K] (float32, or converted to it) @ W^T over W in kernels/quant.py's block format:
+    float32 [M, n]."""
+    fn = torch.ops.radixray.qgemm if torch.compiler.is_compiling() else _eager("qgemm")
+    return fn(x, qweight, scales, biases, bits, group_size, n)
 
 
 def argmax_rows(logits: torch.Tensor, ids: torch.Tensor, void_ids: torch.Tensor) -> None:

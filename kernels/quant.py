@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_kernels
 
 
 class QuantWeight:
@@ -177,6 +178,18 @@ class QuantLinear:
 
 
 def qgemm(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [M, K] @ dequantize(w).T -> [M, N] in x's dtype: the format's kernel where one is built
-    for x's device, else the reference (dequantize, then F.linear)."""
+    """x [..., K] @ dequantize(w).T -> [..., N] in x's dtype: the format's kernel where one is built
+    for x's device (CPU: `kernels.cpu_kernels.qgemm`; CUDA: Triton), else the reference
+    (dequantize, then F.linear). On the CPU a row's result does not depend on the other rows,
+    only on whether the call has at most `qgemm_int8_max_rows()` rows (int8 activations)."""
+    if x.device.type == "cpu":
+        # A compiled CPU graph exists only where the kernels are built (engine/cpu_graph.py).
+        if torch.compiler.is_compiling() or cpu_kernels.load() is not None:
+            y = cpu_kernels.qgemm(x.reshape(-1, w.in_features), w.qweight, w.scales, w.biases, w.bits,
+                                  w.group_size, w.out_features)
+            return y.view(*x.shape[:-1], w.out_features).to(x.dtype)
+    elif x.device.type == "cuda":
+        from kernels.triton_quant import triton_qgemm
+
+        return triton_qgemm(x, w)
     return F.linear(x, w.dequantize(x.dtype))

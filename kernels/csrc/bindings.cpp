@@ -15,6 +15,7 @@ TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("gemm(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("qgemm(Tensor x, Tensor qweight, Tensor scales, Tensor? biases, int bits, int group_size, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
@@ -25,6 +26,7 @@ TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("gemm", &gemm);
   m.impl("gemm_bf16", &gemm_bf16);
   m.impl("onednn_linear", &onednn_linear);
+  m.impl("qgemm", &qgemm);
 }
 
 TORCH_LIBRARY_IMPL(radixray, MkldnnCPU, m) {  // oneDNN's packed weight is an MKLDNN-layout tensor
@@ -48,4 +50,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_available", &gemm_bf16_available, "the AVX512-BF16 GEMM is built");
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack bf16 W [N, K] into 16-column panels of k pairs");
   m.def("gemm_bf16", &gemm_bf16, nogil, "x @ W^T (+ bias), bfloat16, over packed W");
+  m.def("qgemm", &qgemm, nogil, "x @ dequantize(W)^T over quantized W (kernels/quant.py's format)");
+  m.def("qgemm_int8_max_rows", &qgemm_int8_max_rows, "up to this many rows, qgemm quantizes x to int8");
 }

@@ -1,0 +1,169 @@
+"""The CPU quantized-weight kernel (`torch.ops.radixray.qgemm`, kernels/csrc/qgemm.cpp) against the
+reference, F.linear over `QuantWeight.dequantize()` computed in float64, for every block format
+the engine computes: 4-bit G=32 with float16 scale and bias (GGUF Q4_0/Q4_1, our int4), 4-bit
+G=32 float32 scale and bias (Q4_K), 8-bit G=32 float16 scale (Q8_0), 8-bit G=32 float32 scale and
+bias (Q5_K, codes 0..31), 8-bit G=16 float32 scale (Q6_K, codes -32..31), 8-bit per channel
+float16 scale (our int8), and a 4-bit G=64 group spanning two blocks.
+
+Tolerances, with S = |x| @ |W|^T (the scale of each output):
+- up to qgemm_int8_max_rows() rows x is quantized to int8 per 32-element block (dx = max|x|/127,
+  rounding error <= dx/2 per element), so |y - ref| <= 0.5 * dx @ |scale * q|^T (the bias term
+  uses x's exact group sums) + 2e-6 S;
+- above that the kernel computes in float32 over the exactly dequantized weight: |y - ref| <= 2e-6 S.
+A row's result never depends on the other rows of its call (exactly), within each of the two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_kernels
+from kernels.quant import QuantLinear, QuantWeight, pack_nibbles, qgemm, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
+                                reason="CPU kernels disabled (RADIXRAY_CPU_KERNELS=0) or not buildable here")
+ops = torch.ops.radixray
+
+# name: (bits, group size (0: per channel), scale dtype, biased, code range [lo, hi))
+FORMATS = {
+    "q4_1": (4, 32, torch.float16, True, (0, 16)),
+    "q4_k": (4, 32, torch.float32, True, (0, 16)),
+    "q4_g64": (4, 64, torch.float16, True, (0, 16)),
+    "q8_0": (8, 32, torch.float16, False, (-128, 128)),
+    "q5_k": (8, 32, torch.float32, True, (0, 32)),
+    "q6_k": (8, 16, torch.float32, False, (-32, 32)),
+    "int8": (8, 0, torch.float16, False, (-127, 128)),
+}
+
+
+def make_weight(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantWeight:
+    bits, g, sdt, biased, (lo, hi) = FORMATS[fmt]
+    g = g or k
+    codes = torch.randint(lo, hi, (n, k), generator=gen)
+    scales = ((torch.rand(n, k // g, generator=gen) * 0.02 + 0.002) / (hi - lo) * 16).to(sdt)
+    biases = (-(torch.rand(n, k // g, generator=gen) * 0.1)).to(sdt) if biased else None
+    q = pack_nibbles(codes) if bits == 4 else codes.to(torch.int8)
+    return QuantWeight(q, scales, biases, bits, g)
+
+
+def run(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    return ops.qgemm(x, w.qweight, w.scales, w.biases, w.bits, w.group_size, w.out_features)
+
+
+def max_int8_rows() -> int:
+    return cpu_kernels.load().qgemm_int8_max_rows()
+
+
+def check_against_reference(y: torch.Tensor, x: torch.Tensor, w: QuantWeight) -> None:
+    wd = w.dequantize()
+    ref = x.double() @ wd.double().T
+    scale = x.abs() @ wd.abs().T  # (bounds in float32: their own rounding is far below 1%)
+    bound = 2e-6 * scale.double() + 1e-30
+    if x.shape[0] <= max_int8_rows():
+        sq = (w.codes().float().view(w.out_features, -1, w.group_size)
+              * w.scales.float().unsqueeze(2)).view(w.out_features, -1)
+        dx = x.view(x.shape[0], -1, 32).abs().amax(dim=2) / 127
+        bound = bound + 0.5 * 1.01 * (dx.repeat_interleave(32, dim=1) @ sq.abs().T).double()
+    err = (y.double() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3g}x the bound"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n, k, rows", [(193, 576, (1, 3, 8, 17, 64, 300)), (75, 1536, (1, 3, 17, 300)),
+                                         (1030, 576, (1, 8, 17, 64))])  # the last: an LM head's shape
+def test_qgemm_matches_the_reference(fmt, n, k, rows):
+    gen = torch.Generator().manual_seed(n + k)
+    w = make_weight(fmt, n, k, gen)
+    for m in rows:
+        x = torch.randn(m, k, generator=gen)
+        y = run(x, w)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        check_against_reference(y, x, w)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q6_k"])
+def test_a_row_does_not_depend_on_the_other_rows(fmt):
+    """Exactly the same bits alone as in a batch (int8 activations, up to the threshold), and in
+    any batch above the threshold (float), wherever the row sits."""
+    gen = torch.Generator().manual_seed(7)
+    w = make_weight(fmt, 200, 576, gen)
+    limit = max_int8_rows()
+    x = torch.randn(300, 576, generator=gen)
+    for m in (1, 3, 8, limit):
+        y = run(x[:m], w)
+        for r in {0, m // 2, m - 1}:
+            assert torch.equal(run(x[r:r + 1].clone(), w)[0], y[r])
+    big = run(x, w)
+    for m in (limit + 1, 64):
+        other = torch.cat([torch.randn(m - 1, 576, generator=gen), x[100:101]])  # row 100, last
+        assert torch.equal(run(other, w)[-1], big[100])
+    assert torch.equal(run(x[5:5 + limit + 1], w)[0], big[5])
+
+
+def test_the_two_algorithms_meet_at_the_threshold():
+    """limit rows quantize x to int8, limit + 1 rows do not: the int8 rows differ (slightly)."""
+    gen = torch.Generator().manual_seed(1)
+    w = make_weight("q4_1", 64, 576, gen)
+    limit = max_int8_rows()
+    x = torch.randn(limit + 1, 576, generator=gen)
+    a, b = run(x[:limit], w), run(x, w)[:limit]
+    assert not torch.equal(a, b)
+    torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
+def test_strided_and_bfloat16_inputs():
+    gen = torch.Generator().manual_seed(2)
+    w = make_weight("q4_k", 48, 576, gen)
+    for m in (2, 40):
+        wide = torch.randn(m, 2 * 576, generator=gen)
+        for x in (wide[:, :576], wide[:, ::2]):  # a row stride, a non-unit inner stride
+            assert torch.equal(run(x, w), run(x.contiguous(), w))
+        xb = wide[:, :576].bfloat16()
+        assert torch.equal(run(xb, w), run(xb.float(), w))
+    assert run(torch.zeros(0, 576), w).shape == (0, 48)
+
+
+def test_bad_arguments_are_refused():
+    w = make_weight("q4_1", 16, 64, torch.Generator().manual_seed(3))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.qgemm(torch.randn(2, 96), w.qweight, w.scales, w.biases, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="group size"):
+        ops.qgemm(x, w.qweight, w.scales, w.biases, 4, 16, 16)
+    with pytest.raises(RuntimeError, match="codes"):
+        ops.qgemm(x, w.qweight.view(torch.int8), w.scales, w.biases, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="scales"):
+        ops.qgemm(x, w.qweight, w.scales[:, :1].contiguous(), w.biases, 4, 32, 16)
+
+
+def test_quant_qgemm_dispatches_to_the_kernel():
+    """kernels.quant.qgemm (what QuantLinear calls) runs the kernel on the CPU: leading dims kept,
+    x's dtype returned; int8/int4 quantization at load goes through it too."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 128, generator=gen) * 0.05
+    x = torch.randn(2, 3, 128, generator=gen)
+    for qw in (quantize_int4(w), quantize_int8(w), quantize_int8(w, 32)):
+        y = qgemm(x, qw)
+        assert y.shape == (2, 3, 96)
+        assert torch.equal(y.view(6, 96), run(x.view(6, 128), qw))
+        torch.testing.assert_close(y, F.linear(x, qw.dequantize()), atol=0.02, rtol=0.02)
+        assert qgemm(x.bfloat16(), qw).dtype == torch.bfloat16
+    parts = [quantize_int4(w[:40]), quantize_int8(w[40:])]  # two formats: two kernel calls
+    lin = QuantLinear(parts, bias=torch.ones(96))
+    want = F.linear(x, torch.cat([p.dequantize() for p in parts]), torch.ones(96))
+    torch.testing.assert_close(lin(x), want, atol=0.02, rtol=0.02)
+
+
+def test_qgemm_is_one_opaque_node_under_torch_compile():
+    gen = torch.Generator().manual_seed(5)
+    qw = make_weight("q4_1", 40, 64, gen)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return qgemm(x, qw) * 2
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    for m in (1, 20):
+        x = torch.randn(m, 64, generator=gen)
+        assert torch.equal(compiled(x), f(x))
