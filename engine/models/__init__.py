@@ -19,6 +19,7 @@ from engine.gguf_model.checkpoint import read_tensors
 from engine.gguf_model.folder import GGUF_LINK, read_index
 from engine.models.base import MODEL_REGISTRY, CausalLM, Weights, register_model
 from engine.models.layers import MoESplit
+from engine.quantized import convert_checkpoint
 from kernels.cpu_linear import LinearKind
 from kernels.quant import QuantWeight, quantize_int4, quantize_int8
 
@@ -64,6 +65,9 @@ def load_weights(model_dir: str, quantization: Quantization = "auto") -> dict[st
     float tensors, and `QuantWeight`s for the projections a quantized format holds (`auto`) or
     that `int8` / `int4` quantize here; `none` dequantizes everything."""
     weights = _read_checkpoint(model_dir, quantization)
+    quant_config = _quantization_config(model_dir)
+    if quant_config is not None:  # GPTQ, AWQ, FP8 safetensors: to QuantWeights or float
+        weights = convert_checkpoint(weights, quant_config, keep=quantization == "auto")
     if quantization in ("int8", "int4"):
         # int8: Q8_0's scheme (a scale per 32 weights); int4: Q4_1's (a scale and minimum per 32).
         quantize = (lambda w: quantize_int8(w, 32)) if quantization == "int8" else quantize_int4
@@ -71,6 +75,14 @@ def load_weights(model_dir: str, quantization: Quantization = "auto") -> dict[st
             if is_projection(name) and w.dim() == 2 and w.shape[1] % 32 == 0:
                 weights[name] = quantize(w)
     return weights
+
+
+def _quantization_config(model_dir: str) -> dict | None:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("quantization_config")
 
 
 def _read_checkpoint(model_dir: str, quantization: Quantization) -> dict[str, torch.Tensor | QuantWeight]:
