@@ -54,8 +54,7 @@ inline void to_float(const void* p, bool half, int64_t off, int64_t n, float* ou
 #endif
 }
 
-// A column's scales and biases as float, padded with zeros to whole 8-lane vectors (the
-// reductions over groups then have no scalar tail whose code could vary).
+// A column's scales and biases as float, zero padded to whole 8-lane vectors.
 inline void column_params(const QW& w, int64_t n, float* sc, float* bi, int64_t ngp) {
   to_float(w.s, w.s16, n * w.ng, w.ng, sc);
   std::fill(sc + w.ng, sc + ngp, 0.f);
@@ -85,19 +84,20 @@ inline __m256i unpack_q4(const uint8_t* p) {
 
 // ---- integer path: activations quantized per row ----
 
-// The scale of each weight scale slot of a row: per 32-block (G >= 32) or per 16-half (G = 16).
-inline int64_t scale_slots(int64_t K, int64_t G) { return G == 16 ? K / 16 : K / QK; }
+// Elements per scale slot of the integer path: a 32-block, or a 16-half where groups do not
+// cover whole blocks (G = 16: GGUF's Q6_K; G = 48, ...). A slot lies in one group.
+inline int64_t slot_size(int64_t G) { return G % QK == 0 ? QK : 16; }
 
 struct QActs {
   std::vector<int8_t> q;  // [M, K]
-  std::vector<float> d;   // [M, ldd]: dx of each scale slot (a 32-block's twice for G = 16), zero padded
+  std::vector<float> d;   // [M, ldd]: dx of each scale slot (a 32-block's twice for 16-slots), zero padded
   std::vector<float> gs;  // [M, ngp]: sum of x over each group (biased formats), zero padded
   int64_t ldd = 0, ngp = 0;
 };
 
 void quantize_rows(const float* x, int64_t ldx, int64_t M, const QW& w, bool sums, QActs& a) {
-  const int64_t K = w.K, nb = K / QK, G = w.G, per = G == 16 ? 2 : 1;
-  a.ldd = pad8(scale_slots(K, G));
+  const int64_t K = w.K, nb = K / QK, G = w.G, per = QK / slot_size(G);
+  a.ldd = pad8(K / slot_size(G));
   a.ngp = pad8(w.ng);
   a.q.resize(M * K);
   a.d.assign(M * a.ldd, 0.f);
@@ -164,8 +164,9 @@ void quantize_rows(const float* x, int64_t ldx, int64_t M, const QW& w, bool sum
 // isum * d[r][slot] (d = weight scale * dx, a table the caller fills per column; isum the
 // block's 8 partial integer sums of 4 elements each) + sum over groups of bias * (sum of x).
 // Even and odd blocks go to two accumulators (one FMA chain would wait on its latency at one
-// row), added before the bias terms and the lanes' sum. bi: [ngp] or nullptr; gs: [R][ngp].
-template <int BITS, bool G16, int R>
+// row), added before the bias terms and the lanes' sum. S16: 16-element slots (two per block,
+// lanes 0-3 and 4-7). bi: [ngp] or nullptr; gs: [R][ngp].
+template <int BITS, bool S16, int R>
 void int_rows(const uint8_t* wq, const int8_t* xq, int64_t K, const float* d, int64_t ldd, const float* bi,
               const float* gs, int64_t ngp, float* y, int64_t ldy) {
   const int64_t nb = K / QK;
@@ -182,7 +183,7 @@ void int_rows(const uint8_t* wq, const int8_t* xq, int64_t K, const float* d, in
     const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));                                    \
     const float* dp = d + r * ldd;                                                                      \
     const __m256 dv =                                                                                   \
-        G16 ? _mm256_permutevar8x32_ps(                                                                 \
+        S16 ? _mm256_permutevar8x32_ps(                                                                 \
                   _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(dp + 2 * b))), halves) \
             : _mm256_broadcast_ss(dp + b);                                                              \
     ACC = _mm256_fmadd_ps(f, dv, ACC);                                                                  \
@@ -225,7 +226,7 @@ void int_rows(const uint8_t* wq, const int8_t* xq, int64_t K, const float* d, in
                                       : static_cast<int8_t>(wq[b * QK + e]);
           isum += q * xq[r * K + b * QK + e];
         }
-        const float dv = G16 ? d[r * ldd + 2 * b + (l >= 4)] : d[r * ldd + b];
+        const float dv = S16 ? d[r * ldd + 2 * b + (l >= 4)] : d[r * ldd + b];
         lanes[b % 2][l] = std::fma(static_cast<float>(isum), dv, lanes[b % 2][l]);
       }
     }
@@ -241,73 +242,85 @@ void int_rows(const uint8_t* wq, const int8_t* xq, int64_t K, const float* d, in
 
 using IntRowsFn = void (*)(const uint8_t*, const int8_t*, int64_t, const float*, int64_t, const float*, const float*,
                            int64_t, float*, int64_t);
-template <int BITS, bool G16>
+template <int BITS, bool S16>
 IntRowsFn int_rows_for(int64_t r) {
   switch (r) {
-    case 1: return int_rows<BITS, G16, 1>;
-    case 2: return int_rows<BITS, G16, 2>;
-    case 3: return int_rows<BITS, G16, 3>;
-    default: return int_rows<BITS, G16, 4>;
+    case 1: return int_rows<BITS, S16, 1>;
+    case 2: return int_rows<BITS, S16, 2>;
+    case 3: return int_rows<BITS, S16, 3>;
+    default: return int_rows<BITS, S16, 4>;
   }
 }
 
 // Eight float16/float32 values p[off..off+8) as float into out, zeros past `avail`.
 inline void load8(const void* p, bool half, int64_t off, int64_t avail, float* out) {
-#if defined(__F16C__) && defined(__AVX__)
-  if (avail >= 8) {
-    _mm256_storeu_ps(out, half ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                     reinterpret_cast<const __m128i*>(static_cast<const c10::Half*>(p) + off)))
-                               : _mm256_loadu_ps(static_cast<const float*>(p) + off));
-    return;
-  }
-#endif
   const int64_t n = std::min<int64_t>(8, avail);
   to_float(p, half, off, n, out);
   std::fill(out + n, out + 8, 0.f);
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+inline __m256 load8v(const void* p, bool half, int64_t off, int64_t avail) {
+  if (avail >= 8)
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const c10::Half*>(p) + off)))
+                : _mm256_loadu_ps(static_cast<const float*>(p) + off);
+  float t[8];
+  load8(p, half, off, avail, t);
+  return _mm256_loadu_ps(t);
+}
+#endif
+
 void qgemm_int(const float* x, int64_t ldx, int64_t M, const QW& w, int64_t N, float* y) {
   QActs a;
   const bool biased = w.b != nullptr;
   quantize_rows(x, ldx, M, w, biased, a);
-  const int64_t K = w.K, nslot = scale_slots(K, w.G), ldd = a.ldd, ngp = a.ngp, ng = w.ng;
+  const int64_t K = w.K, slot = slot_size(w.G), nslot = K / slot, ldd = a.ldd, ngp = a.ngp, ng = w.ng;
+  const bool expand = w.G != slot;  // a group spans several slots: its scale repeated per slot
   IntRowsFn fns[kRowsPerPass + 1];
   for (int64_t r = 1; r <= kRowsPerPass; ++r)
-    fns[r] = w.bits == 4 ? int_rows_for<4, false>(r) : w.G == 16 ? int_rows_for<8, true>(r) : int_rows_for<8, false>(r);
+    fns[r] = w.bits == 4 ? int_rows_for<4, false>(r) : slot == 16 ? int_rows_for<8, true>(r) : int_rows_for<8, false>(r);
   // Columns per task: enough work that a task outweighs its scheduling.
   const int64_t grain = std::max<int64_t>(8, 16384 / std::max<int64_t>(1, K * M));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sc(w.G > QK ? ldd + 8 : 0), bi(ngp), d(M * ldd);
+    std::vector<float> sc(expand ? ldd + 8 : 0), bi(ngp), d(M * ldd);
     for (int64_t n = n0; n < n1; ++n) {
-      if (w.G > QK) {  // one scale per 32-block
+      if (expand) {
         float g1;
         for (int64_t g = 0, j = 0; g < ng; ++g) {
           to_float(w.s, w.s16, n * ng + g, 1, &g1);
-          for (int64_t e = j + w.G / QK; j < e; ++j) sc[j] = g1;
+          for (int64_t e = j + w.G / slot; j < e; ++j) sc[j] = g1;
         }
         std::fill(sc.begin() + nslot, sc.end(), 0.f);
       }
       for (int64_t j = 0; j < ldd; j += 8) {  // d = scale * dx, per row and scale slot
-        float s8[8];
-        if (w.G > QK) std::copy(sc.begin() + j, sc.begin() + j + 8, s8);
-        else load8(w.s, w.s16, n * ng + j, ng - j, s8);
-        for (int64_t m = 0; m < M; ++m) {
-          const float* dx = a.d.data() + m * ldd + j;
-          float* dm = d.data() + m * ldd + j;
-#if defined(__AVX2__)
-          _mm256_storeu_ps(dm, _mm256_mul_ps(_mm256_loadu_ps(s8), _mm256_loadu_ps(dx)));
+#if defined(__AVX2__) && defined(__F16C__)
+        const __m256 s8 = expand ? _mm256_loadu_ps(sc.data() + j) : load8v(w.s, w.s16, n * ng + j, ng - j);
+        for (int64_t m = 0; m < M; ++m)
+          _mm256_storeu_ps(d.data() + m * ldd + j, _mm256_mul_ps(s8, _mm256_loadu_ps(a.d.data() + m * ldd + j)));
 #else
-          for (int e = 0; e < 8; ++e) dm[e] = s8[e] * dx[e];
+        float s8[8];
+        if (expand) std::copy(sc.begin() + j, sc.begin() + j + 8, s8);
+        else load8(w.s, w.s16, n * ng + j, ng - j, s8);
+        for (int64_t m = 0; m < M; ++m)
+          for (int e = 0; e < 8; ++e) d[m * ldd + j + e] = s8[e] * a.d[m * ldd + j + e];
 #endif
-        }
       }
       if (biased)
-        for (int64_t g = 0; g < ngp; g += 8) load8(w.b, w.b16, n * ng + g, ng - g, bi.data() + g);
+        for (int64_t g = 0; g < ngp; g += 8) {
+#if defined(__AVX2__) && defined(__F16C__)
+          _mm256_storeu_ps(bi.data() + g, load8v(w.b, w.b16, n * ng + g, ng - g));
+#else
+          load8(w.b, w.b16, n * ng + g, ng - g, bi.data() + g);
+#endif
+        }
       const uint8_t* wq = w.q + n * w.ldq;
-      for (int64_t m = 0; m < M; m += kRowsPerPass) {
-        const int64_t r = std::min(kRowsPerPass, M - m);
+      // passes of at most kRowsPerPass rows, as even as can be (more accumulators per pass)
+      const int64_t passes = (M + kRowsPerPass - 1) / kRowsPerPass;
+      for (int64_t i = 0, m = 0; i < passes; ++i) {
+        const int64_t r = (M - m + (passes - i) - 1) / (passes - i);
         fns[r](wq, a.q.data() + m * K, K, d.data() + m * ldd, ldd, biased ? bi.data() : nullptr,
                a.gs.data() + m * ngp, ngp, y + m * N + n, N);
+        m += r;
       }
     }
   });
@@ -488,9 +501,13 @@ void qgemm_float(const float* x, int64_t ldx, int64_t M, const QW& w, int64_t N,
           const int64_t kc = std::min(KC, K - k0);
           for (int64_t pn = 0; pn * NR < nc; ++pn) {
             const float* p = panels.data() + (pn * K + k0) * NR;
-            for (int64_t m = mc; m < m1; m += 6) {
-              const int64_t mb = std::min<int64_t>(6, m1 - m);
+            // passes of at most 6 rows, as even as can be (a pass of one or two rows has too few
+            // accumulators to hide the FMA latency)
+            const int64_t passes = (m1 - mc + 5) / 6;
+            for (int64_t i = 0, m = mc; i < passes; ++i) {
+              const int64_t mb = (m1 - m + (passes - i) - 1) / (passes - i);
               micro16_for(mb)(x + m * ldx + k0, ldx, p, kc, y + m * N + n0 + pn * NR, N, nc - pn * NR, k0 == 0);
+              m += mb;
             }
           }
         }

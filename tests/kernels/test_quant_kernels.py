@@ -3,7 +3,8 @@ reference, F.linear over `QuantWeight.dequantize()` computed in float64, for eve
 the engine computes: 4-bit G=32 with float16 scale and bias (GGUF Q4_0/Q4_1, our int4), 4-bit
 G=32 float32 scale and bias (Q4_K), 8-bit G=32 float16 scale (Q8_0), 8-bit G=32 float32 scale and
 bias (Q5_K, codes 0..31), 8-bit G=16 float32 scale (Q6_K, codes -32..31), 8-bit per channel
-float16 scale (our int8), and a 4-bit G=64 group spanning two blocks.
+float16 scale (our int8), a 4-bit G=64 group spanning two blocks, and 8-bit G=48 (groups that
+split 32-blocks).
 
 Tolerances, with S = |x| @ |W|^T (the scale of each output):
 - up to qgemm_int8_max_rows() rows x is quantized to int8 per 32-element block (dx = max|x|/127,
@@ -19,7 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_kernels
-from kernels.quant import QuantLinear, QuantWeight, pack_nibbles, qgemm, quantize_int4, quantize_int8
+from kernels.quant import (
+    QuantLinear,
+    QuantWeight,
+    pack_nibbles,
+    qgemm,
+    quantize_int4,
+    quantize_int8,
+)
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
                                 reason="CPU kernels disabled (RADIXRAY_CPU_KERNELS=0) or not buildable here")
@@ -33,6 +41,7 @@ FORMATS = {
     "q8_0": (8, 32, torch.float16, False, (-128, 128)),
     "q5_k": (8, 32, torch.float32, True, (0, 32)),
     "q6_k": (8, 16, torch.float32, False, (-32, 32)),
+    "q8_g48": (8, 48, torch.float16, True, (-128, 128)),
     "int8": (8, 0, torch.float16, False, (-127, 128)),
 }
 
@@ -157,13 +166,15 @@ def test_quant_qgemm_dispatches_to_the_kernel():
 
 
 def test_qgemm_is_one_opaque_node_under_torch_compile():
+    """fullgraph tracing through kernels.quant.qgemm: the operator and its fake (aot_eager runs
+    the traced graph as inductor's would call the operator, without the C++ codegen's seconds)."""
     gen = torch.Generator().manual_seed(5)
     qw = make_weight("q4_1", 40, 64, gen)
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return qgemm(x, qw) * 2
 
-    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    compiled = torch.compile(f, fullgraph=True, dynamic=False, backend="aot_eager")
     for m in (1, 20):
         x = torch.randn(m, 64, generator=gen)
         assert torch.equal(compiled(x), f(x))
