@@ -6,12 +6,11 @@ bias (Q5_K, codes 0..31), 8-bit G=16 float32 scale (Q6_K, codes -32..31), 8-bit 
 float16 scale (our int8), a 4-bit G=64 group spanning two blocks, and 8-bit G=48 (groups that
 split 32-blocks).
 
-Tolerances, with S = |x| @ |W|^T (the scale of each output):
-- up to qgemm_int8_max_rows() rows x is quantized to int8 per 32-element block (dx = max|x|/127,
-  rounding error <= dx/2 per element), so |y - ref| <= 0.5 * dx @ |scale * q|^T (the bias term
-  uses x's exact group sums) + 2e-6 S;
-- above that the kernel computes in float32 over the exactly dequantized weight: |y - ref| <= 2e-6 S.
-A row's result never depends on the other rows of its call (exactly), within each of the two."""
+Tolerance, with S = |x| @ |W|^T (the scale of each output): x is quantized to int8 per 32-element
+block (dx = max|x|/127, rounding error <= dx/2 per element) for every row count, so
+|y - ref| <= 0.5 * dx @ |scale * q|^T (the bias term uses x's exact group sums) + 2e-6 S.
+An output element's bits depend on its row of x and its column of W only: not on the row count,
+the other rows, nor the other columns of the call."""
 
 from __future__ import annotations
 
@@ -60,20 +59,14 @@ def run(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return ops.qgemm(x, w.qweight, w.scales, w.biases, w.bits, w.group_size, w.out_features)
 
 
-def max_int8_rows() -> int:
-    return cpu_kernels.load().qgemm_int8_max_rows()
-
-
 def check_against_reference(y: torch.Tensor, x: torch.Tensor, w: QuantWeight) -> None:
     wd = w.dequantize()
     ref = x.double() @ wd.double().T
     scale = x.abs() @ wd.abs().T  # (bounds in float32: their own rounding is far below 1%)
-    bound = 2e-6 * scale.double() + 1e-30
-    if x.shape[0] <= max_int8_rows():
-        sq = (w.codes().float().view(w.out_features, -1, w.group_size)
-              * w.scales.float().unsqueeze(2)).view(w.out_features, -1)
-        dx = x.view(x.shape[0], -1, 32).abs().amax(dim=2) / 127
-        bound = bound + 0.5 * 1.01 * (dx.repeat_interleave(32, dim=1) @ sq.abs().T).double()
+    sq = (w.codes().float().view(w.out_features, -1, w.group_size)
+          * w.scales.float().unsqueeze(2)).view(w.out_features, -1)
+    dx = x.view(x.shape[0], -1, 32).abs().amax(dim=2) / 127
+    bound = 2e-6 * scale.double() + 0.5 * 1.01 * (dx.repeat_interleave(32, dim=1) @ sq.abs().T).double() + 1e-30
     err = (y.double() - ref).abs()
     worst = (err / bound).max().item()
     assert worst <= 1.0, f"error {worst:.3g}x the bound"
@@ -92,34 +85,46 @@ def test_qgemm_matches_the_reference(fmt, n, k, rows):
         check_against_reference(y, x, w)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q6_k"])
-def test_a_row_does_not_depend_on_the_other_rows(fmt):
-    """Exactly the same bits alone as in a batch (int8 activations, up to the threshold), and in
-    any batch above the threshold (float), wherever the row sits."""
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q6_k", "q8_g48"])
+def test_a_row_does_not_depend_on_the_row_count_or_the_other_rows(fmt):
+    """A row gives the same bits alone as inside any batch, wherever it sits: the row counts span
+    the row tiles, the rows quantized per call and the old small/large split (16)."""
     gen = torch.Generator().manual_seed(7)
-    w = make_weight(fmt, 200, 576, gen)
-    limit = max_int8_rows()
-    x = torch.randn(300, 576, generator=gen)
-    for m in (1, 3, 8, limit):
-        y = run(x[:m], w)
-        for r in {0, m // 2, m - 1}:
-            assert torch.equal(run(x[r:r + 1].clone(), w)[0], y[r])
-    big = run(x, w)
-    for m in (limit + 1, 64):
-        other = torch.cat([torch.randn(m - 1, 576, generator=gen), x[100:101]])  # row 100, last
-        assert torch.equal(run(other, w)[-1], big[100])
-    assert torch.equal(run(x[5:5 + limit + 1], w)[0], big[5])
+    w = make_weight(fmt, 203, 576, gen)  # 203: a last tile of 3 columns
+    probe = torch.randn(1, 576, generator=gen)
+    alone = run(probe, w)[0]
+    for m in (1, 2, 3, 4, 5, 16, 17, 64, 300):
+        for at in {0, m // 2, m - 1}:
+            x = torch.randn(m, 576, generator=gen)
+            x[at] = probe[0]
+            assert torch.equal(run(x, w)[at], alone), (m, at)
 
 
-def test_the_two_algorithms_meet_at_the_threshold():
-    """limit rows quantize x to int8, limit + 1 rows do not: the int8 rows differ (slightly)."""
+def test_a_column_does_not_depend_on_the_other_columns():
+    """Columns computed alone or inside a wider weight (a fused qkv) give the same bits."""
     gen = torch.Generator().manual_seed(1)
-    w = make_weight("q4_1", 64, 576, gen)
-    limit = max_int8_rows()
-    x = torch.randn(limit + 1, 576, generator=gen)
-    a, b = run(x[:limit], w), run(x, w)[:limit]
-    assert not torch.equal(a, b)
-    torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+    w = make_weight("q4_1", 150, 576, gen)
+    x = torch.randn(20, 576, generator=gen)
+    full = run(x, w)
+    for idx in (torch.arange(1), torch.arange(3, 10), torch.arange(77, 150), torch.tensor([5, 149, 0])):
+        assert torch.equal(run(x, w.select_rows(idx)), full[:, idx])
+
+
+def test_the_thread_count_does_not_change_the_bits():
+    """Threads split the columns (few rows) or the rows (many): scheduling only."""
+    gen = torch.Generator().manual_seed(9)
+    w = make_weight("q4_k", 130, 576, gen)
+    x = torch.randn(300, 576, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append([run(x[:m], w) for m in (1, 8, 300)])
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
 
 
 def test_strided_and_bfloat16_inputs():
