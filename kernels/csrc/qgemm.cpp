@@ -2,9 +2,10 @@
 // (kernels/quant.py): 4-bit nibble chunks in GGUF's Q4 layout or int8 codes, one scale and an
 // optional bias per group of G elements of a row, value = scale * q + bias.
 //
-// One algorithm for every M. Each row of x is quantized to int8 per 32-element block (llama.cpp's
-// Q8_0: dx = max|x| / 127); integer dot products against the codes (AVX2's maddubs) give per
-// block 8 lanes of 4-element sums, and acc += float(isum) * (scale * dx) per block (one FMA
+// One algorithm for every M. Each row of x is quantized to int16 per 32-element block (dx =
+// max|x| / 32767: a relative error near 1e-5, so greedy tokens follow the float model's, where int8
+// activations flip near-ties); integer dot products against the codes (AVX2's madd_epi16 on the
+// codes widened to 16 bits) give per block 8 lanes of 4-element sums, and acc += float(isum) * (scale * dx) per block (one FMA
 // chain per output element over the blocks in order); a group's bias multiplies the float sum of
 // x over the group (FMAs into the same accumulator after the blocks); the 8 lanes are summed in
 // one fixed tree. An output element is computed by exactly this instruction sequence whatever M,
@@ -14,7 +15,7 @@
 // all its rows, and the lanes of 4 columns are summed by one hadd tree. Each thread takes one
 // contiguous range of columns (few rows) or of rows (many); within it columns go in chunks
 // (their scales as float tables; for calls of at most 3 rows, the products scale * dx too) and
-// rows in chunks whose int8 x stays in L2. The first row tile of each column tile prefetches the
+// rows in chunks whose int16 x stays in L2. The first row tile of each column tile prefetches the
 // next column tile's codes.
 #include "common.h"
 #if defined(__AVX2__) || defined(__F16C__)
@@ -68,15 +69,15 @@ inline void to_float(const void* p, bool half, int64_t off, int64_t n, float* ou
 // (G = 16: GGUF's Q6_K; G = 48, ...). A slot lies in one group.
 inline int64_t slot_size(int64_t G) { return G % QK == 0 ? QK : 16; }
 
-// x quantized: q [M, K] int8, dx [M, nb] per 32-block, gs [M, ngp] the sum of x over each group
+// x quantized: q [M, K] int16, dx [M, nb] per 32-block, gs [M, ngp] the sum of x over each group
 // (biased formats; zero padded to whole 8-lane vectors).
 struct QActs {
-  std::vector<int8_t> q;
+  std::vector<int16_t> q;
   std::vector<float> dx, gs;
   int64_t nb = 0, ngp = 0;
 };
 
-void quantize_row(const float* xr, const QW& w, bool sums, int8_t* qr, float* dr, float* gr) {
+void quantize_row(const float* xr, const QW& w, bool sums, int16_t* qr, float* dr, float* gr) {
   const int64_t K = w.K, nb = K / QK, G = w.G;
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = xr + b * QK;
@@ -96,7 +97,7 @@ void quantize_row(const float* xr, const QW& w, bool sums, int8_t* qr, float* dr
     float amax = 0.f;
     for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
 #endif
-    const float d = amax / 127.f;
+    const float d = amax / 32767.f;
     const float id = d != 0.f ? 1.f / d : 0.f;
     dr[b] = d;
 #if defined(__AVX2__)
@@ -105,14 +106,14 @@ void quantize_row(const float* xr, const QW& w, bool sums, int8_t* qr, float* dr
     __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], idv));
     __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], idv));
     __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], idv));
-    i0 = _mm256_packs_epi32(i0, i1);
-    i2 = _mm256_packs_epi32(i2, i3);
-    i0 = _mm256_packs_epi16(i0, i2);
-    i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    // packs works per 128-bit lane: 0-3 8-11 4-7 12-15, put back in order
+    i0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+    i2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + b * QK), i0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + b * QK + 16), i2);
 #else
     for (int64_t i = 0; i < QK; ++i)
-      qr[b * QK + i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(xb[i] * id))));
+      qr[b * QK + i] = static_cast<int16_t>(std::max(-32767.f, std::min(32767.f, std::nearbyint(xb[i] * id))));
 #endif
   }
   if (!sums) return;
@@ -161,63 +162,60 @@ struct ColTab {
 };
 
 #if defined(__AVX2__)
-// 32 4-bit codes of one chunk (16 bytes) as bytes 0..15 in element order: the chunk in both
-// halves, the upper one shifted down 4 bits, then masked.
-inline __m256i unpack_q4(const uint8_t* p, __m256i shifts, __m256i mask) {
-  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_and_si256(_mm256_srlv_epi64(raw, shifts), mask);
-}
-
-// A slot scale (or scale * dx) vector for block b: one value, or (S16) lanes 0-3 and 4-7 from the
-// block's two 16-slots.
-template <bool S16>
-inline __m256 slot_vec(const float* s, int64_t b) {
-  if (!S16) return _mm256_broadcast_ss(s + b);
-  return _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(s + 2 * b))),
-                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+// The block's codes as two vectors of 16 int16: elements 0-15 and 16-31. A 4-bit chunk's byte j
+// holds element j (low nibble) and j + 16 (high nibble): widened to 16 bits, the mask and the
+// shift split them.
+template <int BITS>
+inline void block_codes(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  if (BITS == 4) {
+    const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_and_si256(w16, _mm256_set1_epi16(0x0F));
+    hi = _mm256_srli_epi16(w16, 4);
+  } else {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
 }
 
 // R rows x C columns (C = 8 only for one row). Element (r, c): acc = 0; per block b in order
-// acc = fma(float(isum_b), scale_b * dx_b, acc) (isum_b: the 8 lanes' 4-element integer sums;
-// S16: lanes 0-3 and 4-7 take the scales of the two 16-slots); then per 8 groups
+// acc = fma(float(isum_b), scale_b * dx_b, acc) (isum_b: 8 lanes, lane l the integer sum of
+// elements 2l, 2l+1, 16+2l, 17+2l; S16: the two 16-slots' halves each with its own scale, the
+// first half's FMA first); then per 8 groups
 // acc = fma(bias, gs, acc); then the lanes summed as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
 // Nothing in this depends on R, C, PRE or on which columns share the tile.
 template <int BITS, bool S16, int R, int C, bool PRE>
-void tile(const ColTab& t, const int8_t* xq, const float* dx, const float* gs, const QActs& a, int64_t K,
+void tile(const ColTab& t, const int16_t* xq, const float* dx, const float* gs, const QActs& a, int64_t K,
           float* y, int64_t ldy, int64_t ncols) {
   static_assert(C == 4 || (C == 8 && R == 1), "tile shapes");
   const int64_t nb = K / QK, ldx = K, ldd = a.nb, ngp = a.ngp, lds = t.lds, ldr = t.ldr;
   // accumulators: row r, column c (named: arrays of vectors end up on the stack)
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a04 = a00, a05 = a00, a06 = a00, a07 = a00,
          a10 = a00, a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i shifts = _mm256_setr_epi64x(0, 0, 4, 4);
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   const float* tab = PRE ? t.d : t.sc;
   for (int64_t b = 0; b < nb; ++b) {
     // the hardware prefetcher follows a few interleaved column streams poorly from DRAM
     for (int64_t o = 0; o < t.pstep; o += 64) _mm_prefetch(reinterpret_cast<const char*>(t.pf + b * t.pstep + o), _MM_HINT_T0);
+#define QG_DV(r, c, k, SV) \
+  (PRE ? _mm256_broadcast_ss(tab + r * ldr + c * lds + k) : _mm256_mul_ps(SV, _mm256_broadcast_ss(dx + r * ldd + b)))
 #define QG_RC(r, c, A)                                                                                \
   if (R > r) {                                                                                        \
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * ldx + b * QK));  \
-    /* u8 x s8 pairs -> s16 (no saturation: |q| <= 128, |x| <= 127), then pairs -> s32 */            \
-    const __m256i p = BITS == 4 ? _mm256_maddubs_epi16(wv, xv)                                        \
-                                : _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv));               \
-    const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));                                  \
-    const __m256 dv = PRE ? slot_vec<S16>(tab + r * ldr + c * lds, b)                                 \
-                          : _mm256_mul_ps(sv, _mm256_broadcast_ss(dx + r * ldd + b));                 \
-    A = _mm256_fmadd_ps(f, dv, A);                                                                    \
+    const int16_t* xb = xq + r * ldx + b * QK;                                                        \
+    /* s16 x s16 pairs -> s32 (|q| <= 128, |x| <= 32767: no overflow) */                              \
+    const __m256i plo = _mm256_madd_epi16(wlo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));      \
+    const __m256i phi = _mm256_madd_epi16(whi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))); \
+    if (S16) {                                                                                        \
+      A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(plo), QG_DV(r, c, 2 * b, sv0), A);                       \
+      A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(phi), QG_DV(r, c, 2 * b + 1, sv1), A);                   \
+    } else {                                                                                          \
+      A = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(plo, phi)), QG_DV(r, c, b, sv0), A);    \
+    }                                                                                                 \
   }
 #define QG_COL(c, A0, A1, A2)                                                                         \
   if (C > c) {                                                                                        \
-    __m256i wv, wabs;                                                                                 \
-    if (BITS == 4) {                                                                                  \
-      wv = wabs = unpack_q4(t.wq[c] + b * (QK / 2), shifts, mask);                                    \
-    } else {                                                                                          \
-      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wq[c] + b * QK));                    \
-      wabs = _mm256_abs_epi8(wv);                                                                     \
-    }                                                                                                 \
-    const __m256 sv = PRE ? _mm256_setzero_ps() : slot_vec<S16>(tab + c * lds, b);                    \
+    __m256i wlo, whi;                                                                                 \
+    block_codes<BITS>(t.wq[c] + b * (BITS == 4 ? QK / 2 : QK), wlo, whi);                             \
+    const __m256 sv0 = PRE ? _mm256_setzero_ps() : _mm256_broadcast_ss(tab + c * lds + (S16 ? 2 * b : b)); \
+    const __m256 sv1 = PRE || !S16 ? sv0 : _mm256_broadcast_ss(tab + c * lds + 2 * b + 1);            \
     QG_RC(0, c, A0) QG_RC(1, c, A1) QG_RC(2, c, A2)                                                   \
   }
     QG_COL(0, a00, a10, a20)
@@ -230,6 +228,7 @@ void tile(const ColTab& t, const int8_t* xq, const float* dx, const float* gs, c
     QG_COL(7, a07, a13, a23)
 #undef QG_COL
 #undef QG_RC
+#undef QG_DV
   }
   if (t.bi != nullptr)
     for (int64_t g = 0; g < ngp; g += 8) {
@@ -270,25 +269,33 @@ void tile(const ColTab& t, const int8_t* xq, const float* dx, const float* gs, c
 #else
 // Portable version of the same computation, one element at a time.
 template <int BITS, bool S16, int R, int C, bool PRE>
-void tile(const ColTab& t, const int8_t* xq, const float* dx, const float* gs, const QActs& a, int64_t K,
+void tile(const ColTab& t, const int16_t* xq, const float* dx, const float* gs, const QActs& a, int64_t K,
           float* y, int64_t ldy, int64_t ncols) {
   const int64_t nb = K / QK, ngp = a.ngp;
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < std::min<int64_t>(ncols, C); ++c) {
       const uint8_t* wq = t.wq[c];
       float lanes[8] = {};
-      for (int64_t b = 0; b < nb; ++b)
-        for (int l = 0; l < 8; ++l) {  // lane l: elements 4l..4l+3 of the block
-          int32_t isum = 0;
-          for (int e = 4 * l; e < 4 * l + 4; ++e) {
-            const int32_t q = BITS == 4 ? (e < 16 ? wq[b * 16 + e] & 0xF : wq[b * 16 + e - 16] >> 4)
-                                        : static_cast<int8_t>(wq[b * QK + e]);
-            isum += q * xq[r * K + b * QK + e];
+      auto code = [&](int64_t b, int e) -> int32_t {
+        return BITS == 4 ? (e < 16 ? wq[b * 16 + e] & 0xF : wq[b * 16 + e - 16] >> 4)
+                         : static_cast<int8_t>(wq[b * QK + e]);
+      };
+      auto dv = [&](int64_t b, int64_t j) {
+        return PRE ? t.d[r * t.ldr + c * t.lds + j] : t.sc[c * t.lds + j] * dx[r * a.nb + b];
+      };
+      for (int64_t b = 0; b < nb; ++b) {
+        const int16_t* xb = xq + r * K + b * QK;
+        for (int l = 0; l < 8; ++l) {  // lane l: elements 2l, 2l+1 (first half) and 16+2l, 17+2l
+          const int32_t lo = code(b, 2 * l) * xb[2 * l] + code(b, 2 * l + 1) * xb[2 * l + 1];
+          const int32_t hi = code(b, 16 + 2 * l) * xb[16 + 2 * l] + code(b, 17 + 2 * l) * xb[17 + 2 * l];
+          if (S16) {
+            lanes[l] = std::fma(static_cast<float>(lo), dv(b, 2 * b), lanes[l]);
+            lanes[l] = std::fma(static_cast<float>(hi), dv(b, 2 * b + 1), lanes[l]);
+          } else {
+            lanes[l] = std::fma(static_cast<float>(lo + hi), dv(b, b), lanes[l]);
           }
-          const int64_t j = S16 ? 2 * b + (l >= 4) : b;
-          const float dv = PRE ? t.d[r * t.ldr + c * t.lds + j] : t.sc[c * t.lds + j] * dx[r * a.nb + b];
-          lanes[l] = std::fma(static_cast<float>(isum), dv, lanes[l]);
         }
+      }
       if (t.bi != nullptr)
         for (int64_t g = 0; g < ngp; g += 8)
           for (int l = 0; l < 8; ++l) lanes[l] = std::fma(t.bi[c * ngp + g + l], gs[r * ngp + g + l], lanes[l]);
@@ -297,7 +304,7 @@ void tile(const ColTab& t, const int8_t* xq, const float* dx, const float* gs, c
 }
 #endif
 
-using TileFn = void (*)(const ColTab&, const int8_t*, const float*, const float*, const QActs&, int64_t, float*,
+using TileFn = void (*)(const ColTab&, const int16_t*, const float*, const float*, const QActs&, int64_t, float*,
                         int64_t, int64_t);
 struct Tiles {
   TileFn pre[kRows + 1];  // [r]: r rows from the d table (calls of at most kRows rows)
@@ -318,7 +325,7 @@ void qgemm_int(const float* x, int64_t ldx, int64_t M, const QW& w, int64_t N, f
   // Few rows (one tile): scale * dx made per column chunk, vectorized, rather than in the tile.
   const bool pre = M <= kRows;
   const int64_t cols = M == 1 ? 8 : kCols;  // columns per tile
-  // Rows per chunk: their int8 x (K bytes a row) stays in L2 while a column chunk passes over it.
+  // Rows per chunk: their int16 x (2K bytes a row) stays in L2 while a column chunk passes over it.
   const int64_t mchunk = std::max<int64_t>(kRows, (131072 / K) / kRows * kRows);
   // Columns [n0, nend) (a multiple of 8 from n0) for rows [mb, me).
   auto work = [&](int64_t nbeg, int64_t nend, int64_t mb, int64_t me) {

@@ -6,8 +6,8 @@ bias (Q5_K, codes 0..31), 8-bit G=16 float32 scale (Q6_K, codes -32..31), 8-bit 
 float16 scale (our int8), a 4-bit G=64 group spanning two blocks, and 8-bit G=48 (groups that
 split 32-blocks).
 
-Tolerance, with S = |x| @ |W|^T (the scale of each output): x is quantized to int8 per 32-element
-block (dx = max|x|/127, rounding error <= dx/2 per element) for every row count, so
+Tolerance, with S = |x| @ |W|^T (the scale of each output): x is quantized to int16 per 32-element
+block (dx = max|x|/32767, rounding error <= dx/2 per element) for every row count, so
 |y - ref| <= 0.5 * dx @ |scale * q|^T (the bias term uses x's exact group sums) + 2e-6 S.
 An output element's bits depend on its row of x and its column of W only: not on the row count,
 the other rows, nor the other columns of the call."""
@@ -65,7 +65,7 @@ def check_against_reference(y: torch.Tensor, x: torch.Tensor, w: QuantWeight) ->
     scale = x.abs() @ wd.abs().T  # (bounds in float32: their own rounding is far below 1%)
     sq = (w.codes().float().view(w.out_features, -1, w.group_size)
           * w.scales.float().unsqueeze(2)).view(w.out_features, -1)
-    dx = x.view(x.shape[0], -1, 32).abs().amax(dim=2) / 127
+    dx = x.view(x.shape[0], -1, 32).abs().amax(dim=2) / 32767
     bound = 2e-6 * scale.double() + 0.5 * 1.01 * (dx.repeat_interleave(32, dim=1) @ sq.abs().T).double() + 1e-30
     err = (y.double() - ref).abs()
     worst = (err / bound).max().item()
