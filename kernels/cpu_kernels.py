@@ -10,10 +10,9 @@
   a register-blocked FMA kernel, and each output summed over k in order whatever the batch size
   (padding a batch never changes a row's result).
 - Linear layers over quantized weights kept in their block format (`qgemm`, kernels/quant.py's
-  format): int8 activations and integer dot products for the few rows of a decode step (the
-  weight streamed once, 4-8x fewer bytes than float32), tiles dequantized to float32 for an FMA
-  kernel above that; a row's result does not depend on the other rows, only on whether the batch
-  has at most `qgemm_int8_max_rows()` rows.
+  format): activations rounded to int16 per 32-element block and integer dot products against
+  the codes (the weight read in its 4.5-9 bits per value), one algorithm for every row count: an
+  output element's bits depend on its row and column only.
 - RMSNorm with the residual add fused in (`add_rms_norm`), greedy argmax with the finiteness
   check (`argmax_rows`), and a streaming read of a buffer with every thread (`stream_sum`, for
   the memory-bandwidth figure of the benchmark).

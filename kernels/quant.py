@@ -180,7 +180,7 @@ class QuantLinear:
 def qgemm(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [..., K] @ dequantize(w).T -> [..., N] in x's dtype: the format's kernel where one is built
     for x's device (CPU: `kernels.cpu_kernels.qgemm`; CUDA: Triton), else the reference
-    (dequantize, then F.linear). On the CPU (int8 activations for every row count) an output's
+    (dequantize, then F.linear). On the CPU (int16 activations for every row count) an output's
     bits depend only on its row of x and its column of w, not on the batch around them."""
     if x.device.type == "cpu":
         # A compiled CPU graph exists only where the kernels are built (engine/cpu_graph.py).

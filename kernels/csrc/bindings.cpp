@@ -51,5 +51,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack bf16 W [N, K] into 16-column panels of k pairs");
   m.def("gemm_bf16", &gemm_bf16, nogil, "x @ W^T (+ bias), bfloat16, over packed W");
   m.def("qgemm", &qgemm, nogil, "x @ dequantize(W)^T over quantized W (kernels/quant.py's format)");
-  m.def("qgemm_int8_max_rows", &qgemm_int8_max_rows, "up to this many rows, qgemm quantizes x to int8");
 }

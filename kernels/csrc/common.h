@@ -58,6 +58,5 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor wp, c10::optional<torch::
 torch::Tensor onednn_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n);
 
 // qgemm.cpp
-int64_t qgemm_int8_max_rows();
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> biases,
                     int64_t bits, int64_t group_size, int64_t n);

@@ -22,7 +22,6 @@
 #include <immintrin.h>
 #endif
 
-#include <limits>
 
 namespace {
 
@@ -408,7 +407,6 @@ void qgemm_int(const float* x, int64_t ldx, int64_t M, const QW& w, int64_t N, f
 
 }  // namespace
 
-int64_t qgemm_int8_max_rows() { return std::numeric_limits<int64_t>::max(); }
 
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, c10::optional<torch::Tensor> biases,
                     int64_t bits, int64_t group_size, int64_t n) {
