@@ -2,7 +2,7 @@
 as F32 and BF16 (dequantized at load), Q4_1 (the file's own blocks, computed as quantized: its
 tied embedding / LM head is Q8_0), and int8 / int4 (quantized at load from the dequantized F32:
 int8 is Q8_0's scheme, int4 Q4_1's), side by side in one run: decode tok/s at batch 1, 8 and 32
-(128-token prompts, 128 new tokens, best of the rounds), prefill tok/s, the weight bytes a decode
+(128-token prompts, 128 new tokens, best of two rounds), Q4_1 also with the CPU decode graphs, prefill tok/s, the weight bytes a decode
 step reads and those bytes over the step time against this machine's measured read bandwidth.
 With `--llama-cpp DIR` (a llama.cpp build: `llama-bench`, `llama-batched-bench`) llama.cpp runs
 the same file in the same process tree, after the engine, with the same thread count and
@@ -25,6 +25,7 @@ CONFIGS = {
     "F32": {"quantization": "none", "dtype": "float32"},
     "BF16": {"quantization": "none", "dtype": "bfloat16"},
     "Q4_1": {"quantization": "auto"},
+    "Q4_1 graphs": {"quantization": "auto", "cpu_graph": "on"},  # CPU decode graphs (off by default)
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
 }
@@ -68,13 +69,13 @@ def case_quant(path: str, scale: float, llama_cpp: str | None = None) -> None:
         weight_bytes[name] = eng.model_runner.model.weight_bytes()
         del eng
         gc.collect()
-    out_len, rounds = (128, 3) if scale >= 1 else (16, 1)
+    out_len, rounds = (128, 2) if scale >= 1 else (16, 1)
     results: dict[int, dict[str, dict]] = {}
     for bs in (1, 8, 32):
         results[bs] = r = decode_rates(gguf, bs, out_len, rounds, CONFIGS)
         for name in CONFIGS:
             gbps = weight_bytes[name] / (r[name]["step_ms"] / 1e3) / 1e9
-            print(f"quant      bs={bs:<2} {name:5}: decode {r[name]['decode']:8.1f} tok/s, {r[name]['step_ms']:7.2f} ms/step, "
+            print(f"quant      bs={bs:<2} {name:11}: decode {r[name]['decode']:8.1f} tok/s, {r[name]['step_ms']:7.2f} ms/step, "
                   f"prefill {r[name]['prefill']:8.0f} tok/s, weights {weight_bytes[name] / 1e6:6.1f} MB "
                   f"-> {gbps:5.1f} GB/s read ({gbps * 1e9 / bandwidth:.0%} of the measured bandwidth)", flush=True)
         line("quant", f"Q4_1 bs={bs}", r["Q4_1"]["decode"], "F32", r["F32"]["decode"], "decode tok/s",
