@@ -15,13 +15,14 @@ x's dtype before tl.dot (float16/bfloat16 use tensor cores; float32 stays IEEE f
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import QuantWeight
+if TYPE_CHECKING:  # kernels.quant dispatches to this module on CUDA
+    from kernels.quant import QuantWeight
 
 
 @triton.jit
@@ -145,27 +146,3 @@ def triton_qgemm(x: torch.Tensor, w: QuantWeight, config: QGemmConfig | None = N
                         PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
-
-
-def _benchmark() -> None:
-    """Times triton_qgemm against the reference (dequantize, then F.linear) on CUDA:
-    `python -m kernels.triton_quant`. Prints microseconds and the weight-read bandwidth."""
-    from triton.testing import do_bench
-
-    from kernels.quant import quantize_int4, quantize_int8
-
-    torch.manual_seed(0)
-    for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (151936, 4096)):
-        w32 = torch.randn(n, k, device="cuda") * 0.02
-        for name, w in (("q4_g32", quantize_int4(w32, 32)), ("q8_g32", quantize_int8(w32, 32)),
-                        ("q8_chan", quantize_int8(w32))):
-            for m in (1, 8, 32, 256, 2048):
-                x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-                ms = do_bench(lambda: triton_qgemm(x, w))  # noqa: B023
-                ref = do_bench(lambda: torch.nn.functional.linear(x, w.dequantize(x.dtype)))  # noqa: B023
-                print(f"{name:8s} N={n:6d} K={k:5d} M={m:5d} {pick_config(m, n, k, w.bits)}: "
-                      f"{ms * 1e3:9.1f} us ({w.nbytes() / ms / 1e6:7.1f} GB/s) reference {ref * 1e3:9.1f} us")
-
-
-if __name__ == "__main__":
-    _benchmark()

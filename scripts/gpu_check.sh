@@ -24,7 +24,7 @@ timeout 120 python3 -m pytest -q tests/kernels -p no:cacheprovider 2>&1 | tee -a
 tests_rc=$(( tests_rc || PIPESTATUS[0] ))
 timeout 240 python3 -m engine.gpu_bench 2>&1 | tee "$out/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
-timeout 120 python3 -m kernels.triton_quant 2>&1 | tee -a "$out/gpu_bench.log"
+timeout 120 python3 -m kernels.triton_quant_bench 2>&1 | tee -a "$out/gpu_bench.log"
 bench_rc=$(( bench_rc || PIPESTATUS[0] ))
 echo "gpu_check: tests rc=$tests_rc bench rc=$bench_rc"
 exit $(( tests_rc || bench_rc ))
