@@ -25,7 +25,8 @@ CONFIGS = {
     "F32": {"quantization": "none", "dtype": "float32"},
     "BF16": {"quantization": "none", "dtype": "bfloat16"},
     "Q4_1": {"quantization": "auto"},
-    "Q4_1 graphs": {"quantization": "auto", "cpu_graph": "on"},  # CPU decode graphs (off by default)
+    # the CPU decode graphs (off by default), a ladder up to 32 rows
+    "Q4_1 graphs": {"quantization": "auto", "cpu_graph": "on", "cpu_graph_max_bs": 32},
     "int8": {"quantization": "int8"},
     "int4": {"quantization": "int4"},
 }
@@ -65,7 +66,7 @@ def case_quant(path: str, scale: float, llama_cpp: str | None = None) -> None:
           f"{torch.get_num_threads()} threads", flush=True)
     weight_bytes = {}
     for name, kw in CONFIGS.items():
-        eng = Engine(model_path=gguf, max_total_tokens=4096, **kw)
+        eng = Engine(model_path=gguf, max_total_tokens=4096, **{**kw, "cpu_graph": "off"})
         weight_bytes[name] = eng.model_runner.model.weight_bytes()
         del eng
         gc.collect()
