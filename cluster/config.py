@@ -10,7 +10,6 @@ import msgspec
 
 from cluster.routing import POLICIES, ROUTING_POLICIES, RoutingName
 from engine import EngineConfig
-from engine.model_path import MODEL_NAMES
 from engine.config import (
     MOE_SPLITS,
     ModelConfig,
@@ -21,6 +20,7 @@ from engine.config import (
 )
 from engine.errors import ConfigError
 from engine.limits import RequestLimits
+from engine.model_path import MODEL_NAMES
 
 # EngineConfig fields the cluster sets for every engine itself (not per-engine overrides).
 ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads", "moe_split", "limits")
