@@ -13,6 +13,8 @@
   format): activations rounded to int16 per 32-element block and integer dot products against
   the codes (the weight read in its 4.5-9 bits per value), one algorithm for every row count: an
   output element's bits depend on its row and column only.
+- The segmented LoRA update (`lora_sgmv`, kernels/lora.py): y += scaling * (x A^T) B per row's
+  adapter slot, over stacked adapter buffers, AVX2/FMA (scalar where the build lacks it).
 - RMSNorm with the residual add fused in (`add_rms_norm`), greedy argmax with the finiteness
   check (`argmax_rows`), and a streaming read of a buffer with every thread (`stream_sum`, for
   the memory-bandwidth figure of the benchmark).
@@ -22,7 +24,7 @@ Every kernel is also a torch operator (`torch.ops.radixray.*`, with fake impleme
 round as torch's separate ops do (the build disables FMA contraction; the GEMM uses explicit
 FMAs), bfloat16 results are rounded where torch rounds them.
 
-The C++ lives in kernels/csrc/ (attention.cpp, gemm.cpp, qgemm.cpp, rowwise.cpp, bindings.cpp,
+The C++ lives in kernels/csrc/ (attention.cpp, gemm.cpp, qgemm.cpp, rowwise.cpp, lora.cpp, bindings.cpp,
 common.h).
 Built with torch.utils.cpp_extension (g++ and ninja needed) from a copy of the sources in a folder
 keyed by their contents, the flags, torch version and CPU (so every checkout shares it); `load()` returns None when that is not possible and callers fall
@@ -45,7 +47,7 @@ from kernels.cache import cache_dir
 # the build compiles them as one, a generated file that includes them all (a unity build, as
 # CMake's): the torch headers are then parsed once, which halves the build on two cores.
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = ("attention.cpp", "gemm.cpp", "qgemm.cpp", "rowwise.cpp", "bindings.cpp")
+SOURCES = ("attention.cpp", "gemm.cpp", "qgemm.cpp", "rowwise.cpp", "lora.cpp", "bindings.cpp")
 
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so elementwise math
 # rounds as torch's separate ops do (the GEMM calls FMA explicitly).
@@ -197,6 +199,10 @@ def _register_fakes() -> None:
     def _(x, qweight, scales, biases, bits, group_size, n):
         return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
+    @torch.library.register_fake("radixray::lora_sgmv")
+    def _(y, x, lora_a, lora_b, seg_indptr, weight_indices, ranks, scalings, out_offsets):
+        return None
+
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -248,6 +254,14 @@ def qgemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, biases: 
     float32 [M, n]."""
     fn = torch.ops.radixray.qgemm if torch.compiler.is_compiling() else _eager("qgemm")
     return fn(x, qweight, scales, biases, bits, group_size, n)
+
+
+def lora_sgmv(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              seg_indptr: torch.Tensor, weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+              out_offsets: torch.Tensor) -> None:
+    """y [T, N] += the segmented LoRA update of x [T, K] (kernels/lora.py's contract and layouts)."""
+    fn = torch.ops.radixray.lora_sgmv if torch.compiler.is_compiling() else _eager("lora_sgmv")
+    fn(y, x, lora_a, lora_b, seg_indptr, weight_indices, ranks, scalings, out_offsets)
 
 
 def argmax_rows(logits: torch.Tensor, ids: torch.Tensor, void_ids: torch.Tensor) -> None:

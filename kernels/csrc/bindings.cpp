@@ -5,6 +5,11 @@
 
 #include "common.h"
 
+// lora.cpp (declared here: its one operator is registered only in this file)
+void lora_sgmv(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b,
+               torch::Tensor seg_indptr, torch::Tensor weight_indices, torch::Tensor ranks, torch::Tensor scalings,
+               torch::Tensor out_offsets);
+
 TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("decode_attention_rope(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_buf, "
         "Tensor(b!) v_buf, Tensor out_loc, Tensor req_to_token, Tensor rows, Tensor seq_lens, int num_heads, "
@@ -16,6 +21,8 @@ TORCH_LIBRARY_FRAGMENT(radixray, m) {
   m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("qgemm(Tensor x, Tensor qweight, Tensor scales, Tensor? biases, int bits, int group_size, int n) -> Tensor");
+  m.def("lora_sgmv(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor seg_indptr, Tensor weight_indices, "
+        "Tensor ranks, Tensor scalings, Tensor out_offsets) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixray, CPU, m) {
@@ -27,6 +34,7 @@ TORCH_LIBRARY_IMPL(radixray, CPU, m) {
   m.impl("gemm_bf16", &gemm_bf16);
   m.impl("onednn_linear", &onednn_linear);
   m.impl("qgemm", &qgemm);
+  m.impl("lora_sgmv", &lora_sgmv);
 }
 
 TORCH_LIBRARY_IMPL(radixray, MkldnnCPU, m) {  // oneDNN's packed weight is an MKLDNN-layout tensor
@@ -51,4 +59,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack bf16 W [N, K] into 16-column panels of k pairs");
   m.def("gemm_bf16", &gemm_bf16, nogil, "x @ W^T (+ bias), bfloat16, over packed W");
   m.def("qgemm", &qgemm, nogil, "x @ dequantize(W)^T over quantized W (kernels/quant.py's format)");
+  m.def("lora_sgmv", &lora_sgmv, nogil, "y += the segmented LoRA update (kernels/lora.py's layouts)");
 }

@@ -1,0 +1,31 @@
+"""LoRA adapters on one base model (issue 31): PEFT adapters read and validated (`adapter`), held
+in host memory and device slots by name (`pool`), configured by `LoRAConfig` (`config`). The
+kernels that apply them are `kernels.lora` (torch, C++) and `kernels.triton_lora`."""
+
+from engine.lora.adapter import (
+    PROJECTION_GROUPS,
+    TARGET_MODULES,
+    LoRAAdapter,
+    LoRAAdapterError,
+    LoRAModule,
+    UnknownLoRAError,
+    load_adapter,
+)
+from engine.lora.config import LoRAConfig, LoRAPath
+from engine.lora.pool import BASE_SLOT, LoRAManager, LoRAMemoryPool, LoRASlotsFullError
+
+__all__ = [
+    "BASE_SLOT",
+    "PROJECTION_GROUPS",
+    "TARGET_MODULES",
+    "LoRAAdapter",
+    "LoRAAdapterError",
+    "LoRAConfig",
+    "LoRAManager",
+    "LoRAMemoryPool",
+    "LoRAModule",
+    "LoRAPath",
+    "LoRASlotsFullError",
+    "UnknownLoRAError",
+    "load_adapter",
+]
