@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from engine.builtin_model import builtin_model_path, builtin_moe_model_path
+from engine.builtin_model import builtin_dllm_model_path, builtin_model_path, builtin_moe_model_path
 from engine.gguf_model.folder import gguf_file, gguf_folder
 from engine.gguf_model.smollm2 import smollm2_gguf_path
 
@@ -15,6 +15,7 @@ from engine.gguf_model.smollm2 import smollm2_gguf_path
 MODEL_NAMES: dict[str, Callable[[], str]] = {
     "builtin": builtin_model_path,
     "builtin-moe": builtin_moe_model_path,
+    "builtin-dllm": builtin_dllm_model_path,
     "smollm2-135m-instruct": smollm2_gguf_path,
 }
 

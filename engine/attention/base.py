@@ -29,6 +29,13 @@ class AttentionBackend(abc.ABC):
       over its request's `req_to_token[row, :seq_len]` (causal over the new tokens, full over
       the cached prefix) and returns [T, H, D]. Reads its metadata from `fb.attn_metadata`
       (`self.metadata(fb)`). A batch with no tokens (IDLE) returns q unchanged.
+    - Block-causal attention (`block_causal`, class attribute: whether the backend has it), for
+      block-diffusion models (engine/models/sdar.py): `init_forward_metadata(fb, block_size=B)`
+      with B > 0 builds metadata under which every extend token at position i attends to the
+      positions j < seq_len of its request with j // B <= i // B (bidirectional inside a block of
+      B positions aligned to position 0, causal across blocks) instead of j <= i. A DECODE row
+      is the last position of its request, so it reads the same keys either way. The metadata
+      records `block_size` (0: causal); `block_causal_metadata(fb, B)` is what a model calls.
     - `fused_rope_decode` (instance attribute): whether `forward_decode_rope` exists here. It
       takes a decode batch's q/k/v before RoPE, straight from the projection ([T, H + 2 Hkv, D]),
       and applies RoPE, stores k/v and attends in one call (the CPU kernel does; the model then
@@ -50,6 +57,7 @@ class AttentionBackend(abc.ABC):
 
     name: ClassVar[str] = ""  # set by register_backend
     graph_safe: ClassVar[bool] = False
+    block_causal: ClassVar[bool] = False
     fused_rope_decode: bool = False
     cpu_graph_safe: bool = False
 
@@ -61,8 +69,21 @@ class AttentionBackend(abc.ABC):
         self.device = device
 
     @abc.abstractmethod
-    def init_forward_metadata(self, fb: ForwardBatch) -> Any:
-        """What every layer of this forward shares; the caller puts it in `fb.attn_metadata`."""
+    def init_forward_metadata(self, fb: ForwardBatch, block_size: int = 0) -> Any:
+        """What every layer of this forward shares; the caller puts it in `fb.attn_metadata`.
+        `block_size` > 0 (only where `block_causal` is set): block-causal extends."""
+
+    def block_causal_metadata(self, fb: ForwardBatch, block_size: int) -> Any:
+        """fb's metadata for block-causal attention with blocks of `block_size`: the one already
+        in `fb.attn_metadata` if it was built for that size, else built now (the model runner
+        builds causal metadata before every forward; a DECODE or IDLE batch's serves both)."""
+        if not self.block_causal:
+            raise ConfigError(f"attention backend {self.name!r} has no block-causal attention, which this "
+                              f"model needs (backends that have it: {', '.join(block_causal_backends())})")
+        md = fb.attn_metadata
+        if md is None or (fb.forward_mode.is_extend() and getattr(md, "block_size", 0) != block_size):
+            md = self.init_forward_metadata(fb, block_size=block_size)
+        return md
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -124,6 +145,10 @@ def register_backend(name: str) -> Callable[[B], B]:
 
 def graph_safe_backends() -> list[str]:
     return sorted(n for n, cls in ATTENTION_BACKENDS.items() if cls.graph_safe)
+
+
+def block_causal_backends() -> list[str]:
+    return sorted(n for n, cls in ATTENTION_BACKENDS.items() if cls.block_causal)
 
 
 def create_attention_backend(name: str, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache,

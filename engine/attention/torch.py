@@ -19,14 +19,17 @@ class TorchAttnMetadata:
     # mask of the real ones [bs, 1, 1, max_len]. None when the C++ CPU kernel reads the pool itself.
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
-    # Extend: per request (first new token in the flat token dim, new tokens, seq_len, KV slots).
-    extend: tuple[tuple[int, int, int, torch.Tensor], ...] = ()
+    # Extend: per request (first new token in the flat token dim, new tokens, seq_len, KV slots,
+    # the [new tokens, seq_len] mask of block-causal attention or None: causal).
+    extend: tuple[tuple[int, int, int, torch.Tensor, torch.Tensor | None], ...] = ()
+    block_size: int = 0  # > 0: the extends are block-causal with blocks of this many positions
 
 
 @register_backend("torch")
 class TorchAttnBackend(AttentionBackend):
     # The decode gather's width comes from host sequence lengths and extend loops on the host.
     graph_safe = False
+    block_causal = True
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, scale: float,
                  device: torch.device) -> None:
@@ -42,7 +45,7 @@ class TorchAttnBackend(AttentionBackend):
                 if buf.dtype == torch.float32:
                     self.cpu_decode = cpu_kernels.decode_attention
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> TorchAttnMetadata:
+    def init_forward_metadata(self, fb: ForwardBatch, block_size: int = 0) -> TorchAttnMetadata:
         if fb.forward_mode.is_decode():
             if self.cpu_decode is not None or self.fused_rope_decode or fb.batch_size == 0:
                 return TorchAttnMetadata()
@@ -55,9 +58,14 @@ class TorchAttnBackend(AttentionBackend):
             extend, start = [], 0
             rows = fb.req_pool_indices.tolist()
             for row, n, seq in zip(rows, fb.extend_seq_lens_cpu, fb.seq_lens_cpu):
-                extend.append((start, n, seq, self.req_to_token[row, :seq].to(torch.int64)))
+                mask = None
+                if block_size:  # the query at position i sees key j (position j) iff j // B <= i // B
+                    q_block = torch.arange(seq - n, seq, device=self.device) // block_size
+                    k_block = torch.arange(seq, device=self.device) // block_size
+                    mask = k_block.unsqueeze(0) <= q_block.unsqueeze(1)
+                extend.append((start, n, seq, self.req_to_token[row, :seq].to(torch.int64), mask))
                 start += n
-            return TorchAttnMetadata(extend=tuple(extend))
+            return TorchAttnMetadata(extend=tuple(extend), block_size=block_size)
         return TorchAttnMetadata()  # IDLE: no tokens
 
     def forward_decode_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, layer: int,
@@ -101,12 +109,15 @@ class TorchAttnBackend(AttentionBackend):
                 enable_gqa=True)
             return out.squeeze(2)
         out = torch.empty_like(q)
-        for start, n, seq, slots in md.extend:
+        for start, n, seq, slots, block_mask in md.extend:
             qs = q[start:start + n].transpose(0, 1)  # [H, n, D]
             keys = k_buf.index_select(0, slots).transpose(0, 1)  # [Hkv, seq, D]
             vals = v_buf.index_select(0, slots).transpose(0, 1)
             prefix = seq - n
-            if prefix == 0:
+            if block_mask is not None:
+                o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=block_mask, scale=self.scale,
+                                                   enable_gqa=True)
+            elif prefix == 0:
                 o = F.scaled_dot_product_attention(qs, keys, vals, is_causal=True, scale=self.scale,
                                                    enable_gqa=True)
             else:

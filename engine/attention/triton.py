@@ -20,12 +20,18 @@ class TritonAttnMetadata:
     # The kernels read rows and lengths straight from the ForwardBatch's tensors; only the
     # extend kernel's grid needs a host value: the longest extend of the batch.
     max_extend: int = 0
+    # Block-causal extends (block_size > 0) run as one decode row per token: its request's row and
+    # the keys it sees (up to the end of its block, within the request's seq_len).
+    block_size: int = 0
+    token_rows: torch.Tensor | None = None
+    token_kv_lens: torch.Tensor | None = None
 
 
 @register_backend("triton")
 class TritonAttnBackend(AttentionBackend):
     # Decode reads req_to_token in the kernel, its grid is (bs, heads): nothing depends on values.
     graph_safe = True
+    block_causal = True
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, kv_cache: KVCache, scale: float,
                  device: torch.device) -> None:
@@ -39,9 +45,19 @@ class TritonAttnBackend(AttentionBackend):
             raise ConfigError(f"attention_backend='triton' needs the triton package: {e}") from None
         self.ops = triton_attention
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> TritonAttnMetadata:
+    def init_forward_metadata(self, fb: ForwardBatch, block_size: int = 0) -> TritonAttnMetadata:
         if fb.forward_mode.is_extend():
-            return TritonAttnMetadata(max_extend=max(fb.extend_seq_lens_cpu, default=0))
+            max_extend = max(fb.extend_seq_lens_cpu, default=0)
+            if not block_size:
+                return TritonAttnMetadata(max_extend=max_extend)
+            # A query at position i sees the first min((i // B + 1) * B, seq_len) keys of its
+            # request: the decode kernel over that many keys, once every token's K/V is stored.
+            ext = fb.extend_seq_lens.to(fb.seq_lens.device)
+            rows = fb.req_pool_indices.repeat_interleave(ext, output_size=fb.num_tokens)
+            seq = fb.seq_lens.repeat_interleave(ext, output_size=fb.num_tokens)
+            block_end = (fb.positions.to(seq.device) // block_size + 1) * block_size
+            return TritonAttnMetadata(max_extend=max_extend, block_size=block_size, token_rows=rows,
+                                      token_kv_lens=torch.minimum(block_end, seq))
         return TritonAttnMetadata()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -51,6 +67,9 @@ class TritonAttnBackend(AttentionBackend):
         md: TritonAttnMetadata = self.metadata(fb)
         k_buf, v_buf = self.kv.k[layer], self.kv.v[layer]
         self.ops.store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        if md.token_rows is not None:
+            return self.ops.decode_attention(q, k_buf, v_buf, self.req_to_token, md.token_rows, md.token_kv_lens,
+                                             self.scale)
         if fb.forward_mode.is_decode():
             return self.ops.decode_attention(q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, fb.seq_lens,
                                              self.scale)
