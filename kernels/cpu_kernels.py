@@ -63,6 +63,8 @@ def load():
     or it cannot be built here."""
     if os.environ.get("RADIXRAY_CPU_KERNELS", "1") == "0":
         return None
+    if "module" in _state:  # built (or failed) already: no lock on the per-call path
+        return _state["module"]
     with _lock:
         if "module" not in _state:
             _state["module"] = module = _build()

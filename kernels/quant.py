@@ -185,9 +185,12 @@ def qgemm(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if x.device.type == "cpu":
         # A compiled CPU graph exists only where the kernels are built (engine/cpu_graph.py).
         if torch.compiler.is_compiling() or cpu_kernels.load() is not None:
-            y = cpu_kernels.qgemm(x.reshape(-1, w.in_features), w.qweight, w.scales, w.biases, w.bits,
-                                  w.group_size, w.out_features)
-            return y.view(*x.shape[:-1], w.out_features).to(x.dtype)
+            # (the decode path's [B, K] float32 input takes no reshape or copy: this runs per projection)
+            x2 = x if x.dim() == 2 else x.reshape(-1, w.in_features)
+            y = cpu_kernels.qgemm(x2, w.qweight, w.scales, w.biases, w.bits, w.group_size, w.out_features)
+            if x.dim() != 2:
+                y = y.view(*x.shape[:-1], w.out_features)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
     elif x.device.type == "cuda":
         from kernels.triton_quant import triton_qgemm
 
