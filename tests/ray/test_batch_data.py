@@ -446,12 +446,12 @@ def test_killed_midway_resumes_with_every_id_once(ray_local, model_dirs, tmp_pat
     from cluster.batch import BatchOptions, run
 
     model = model_dirs["llama"]
-    rows = 4_000  # twenty shards: the kill lands with most of them still to come
+    rows = 1_000  # twenty shards: the kill lands with most of them still to come
     folder, out = tmp_path / "in", tmp_path / "out"
     write_short_rows(folder, rows)
     earlier = set(ray._private.state.actors())
     proc = subprocess.Popen([sys.executable, "-m", "cluster", "batch", *job_args(folder, out, model,
-                                                                               "--rows-per-shard", "200")],
+                                                                               "--rows-per-shard", "50")],
                             cwd=ROOT, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
@@ -475,7 +475,7 @@ def test_killed_midway_resumes_with_every_id_once(ray_local, model_dirs, tmp_pat
     torn = out / ".part-0123456789abcdef0123.jsonl.tmp"
     torn.write_text(json.dumps({"id": "r1", "text": "x"}) + '\n{"id": "r2", "te')
 
-    summary = run(BatchOptions(input=str(folder), output=str(out), rows_per_shard=200, progress=False),
+    summary = run(BatchOptions(input=str(folder), output=str(out), rows_per_shard=50, progress=False),
                   engine_config(model, 2))
     assert (summary.rows, summary.errors, summary.skipped) == (rows - len(before), 0, len(before))
     after = read_results(out)
