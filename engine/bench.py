@@ -29,6 +29,9 @@ Cases (same machine, same weights, float32, greedy, ignore_eos):
   quant       SmolLM2-135M-Instruct from its GGUF file as F32, BF16, Q4_1 (kept quantized), int8 and
               int4: decode tok/s at batch 1, 8, 32, prefill, bytes read per step (engine/bench_quant.py);
               with --llama-cpp DIR, llama.cpp on the same file.
+  split       a stream decoding while 1,000- and 4,000-token prompts arrive: the stream's longest
+              gap and p99 ITL, each prompt's TTFT and prefill tok/s, unsplit vs chunked (512) vs
+              split prefill; the ITL distributions as a PNG (engine/bench_split.py).
 `--quick` shrinks every workload (a smoke run, not a measurement to quote).
 """
 
@@ -55,6 +58,7 @@ from engine.bench_common import (
     run_engine,
 )
 from engine.bench_quant import case_quant
+from engine.bench_split import case_split
 from engine.builtin_model import (
     byte_level_tokenizer,
     cached_random_checkpoint,
@@ -447,7 +451,7 @@ def case_roofline_bs1(path: str, scale: float) -> None:
 
 CASES = {"mixed": case_mixed, "prefill": case_prefill, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
          "overlap": case_overlap, "linear": case_linear, "spec": case_spec, "structured": case_structured,
-         "roofline_bs1": case_roofline_bs1, "quant": case_quant}
+         "roofline_bs1": case_roofline_bs1, "quant": case_quant, "split": case_split}
 
 
 def main(argv: list[str] | None = None) -> None:

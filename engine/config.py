@@ -163,6 +163,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     disable_radix_cache: bool = False  # no prefix cache: every request computes its whole prompt
     enable_mixed_chunk: bool = False  # run prefill chunks and the running decodes in one MIXED batch
     enable_overlap_schedule: bool = False  # schedule the next decode batch while the current one runs (a forward thread)
+    # Split prefill (ForwardMode.SPLIT_PREFILL, the prefill half of SGLang's PD multiplexing): a
+    # prefill batch admitted while requests decode runs a range of layers per step, beside every
+    # decode step, so a long prompt no longer stalls the running streams for its whole prefill.
+    enable_split_prefill: bool = False
+    # Prompt tokens x layers a split prefill runs per step (SGLang's name): layers per step =
+    # max(1, this // the batch's prompt tokens). About one 512-token chunk of an 8-layer model;
+    # SGLang's 65536 suits a GPU, whose step computes far more per second.
+    split_forward_token_budget: int = 4096
     attention_backend: AttentionBackendName = "torch"  # attention kernels: torch (SDPA, C++ decode on the CPU), triton, flash_attn
     # CPU linears: "native" (the project's GEMM: float32 on AVX-512; bfloat16 on AVX512-BF16 for
     # 1-3 rows, beside oneDNN's weight for more), "onednn" (prepacked oneDNN), "torch" (F.linear);
@@ -243,7 +251,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
-                     "max_prefill_tokens", "max_context_len", "torch_threads", "cpu_graph_max_bs"):
+                     "max_prefill_tokens", "max_context_len", "torch_threads", "cpu_graph_max_bs",
+                     "split_forward_token_budget"):
             v = getattr(self, name)
             need(v is None or v >= 1, f"{name} must be >= 1, got {v}")
         need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static must be in (0, 1)")

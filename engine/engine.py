@@ -97,6 +97,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_failed: int = 0  # requests ended by an engine-side error
     num_received: int = 0  # requests that reached the loop (aborted early or not)
     overlapped_steps: int = 0  # decode batches launched while the previous one still ran
+    # Split prefill: the bytes of the hidden state the prefill in flight by layers carries
+    # between steps now (beside the KV pool: an unsplit prefill holds it only during its
+    # forward), and the layers split prefills have run (one per layer per step).
+    split_prefill_hidden_bytes: int = 0
+    split_prefill_layers: int = 0
     spec_draft_tokens: int = 0  # speculative decoding: drafts scored by verify forwards
     spec_accepted_tokens: int = 0  # drafts kept
     spec_verify_requests: int = 0  # (request, verify step) pairs: tokens emitted = accepted + this
@@ -481,8 +486,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        split = s.split_prefill  # (read once: stats may be read between steps on another thread)
         return EngineStats(
-            waiting=len(s.waiting_queue) + (1 if s.chunked_req else 0),
+            waiting=len(s.waiting_queue) + (1 if s.chunked_req else 0)
+            + sum(r is not s.chunked_req for r in (split.batch.reqs if split else ())),
             waiting_prompt_tokens=sum(len(r.origin_input_ids) for r in s.waiting_queue)
             + (len(s.chunked_req.fill_ids) - s.chunked_req.kv_len if s.chunked_req else 0),
             running=len(s.running_batch.reqs),
@@ -497,6 +504,8 @@ class Engine:
             num_failed=s.num_failed,
             num_received=self.num_received,
             overlapped_steps=s.overlapped_steps,
+            split_prefill_hidden_bytes=split.hidden_bytes if split else 0,
+            split_prefill_layers=s.split_prefill_layers,
             spec_draft_tokens=s.spec_draft_tokens,
             spec_accepted_tokens=s.spec_accepted_tokens,
             spec_verify_requests=s.spec_verify_requests,

@@ -56,7 +56,8 @@ class ForwardMode(IntEnum):
 
 
 SUPPORTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE,
-                             ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.PREBUILT})
+                             ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.PREBUILT,
+                             ForwardMode.SPLIT_PREFILL})
 
 
 def require_supported(mode: ForwardMode) -> None:
@@ -86,6 +87,10 @@ class ForwardBatch:
     # What the attention backend's init_forward_metadata returned for this forward (set by the
     # model runner before the model runs); the backend's forward reads it from here.
     attn_metadata: Any = None
+    # SPLIT_PREFILL: the next layer to run, and the hidden state (the residual stream, [tokens,
+    # hidden]) carried from one split to the next; None before the first and after the last.
+    split_index: int = 0
+    hidden_states: torch.Tensor | None = None
 
     def resolve_forward_inputs(self, device: torch.device) -> None:
         """Copy the host-staged inputs to the device, on the current (forward) stream. The

@@ -112,6 +112,9 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         self.forward_stream = torch.cuda.Stream(self.device) if cuda else None
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None  # sampled ids -> host
+        # Split prefills run on their own stream, so a split's layers and the decode batch of the
+        # same step can share the device (SGLang's PD multiplexing gives each its own SMs too).
+        self.split_stream = torch.cuda.Stream(self.device) if cuda and config.enable_split_prefill else None
         self.graph_runner = None
         if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1
                 and self.attn_backend.graph_safe):  # a backend that is not graph-safe runs eagerly
@@ -210,6 +213,40 @@ class ModelRunner:
         with torch.cuda.stream(self.forward_stream):
             return self._forward_and_sample(fb, reqs, from_future, partial)
 
+    @torch.inference_mode()
+    def forward_split_prefill(self, fb: ForwardBatch, forward_count: int) -> torch.Tensor | None:
+        """SPLIT_PREFILL: the next `forward_count` layers of `fb` (from fb.split_index); the
+        inputs and the attention metadata are set up at the first split and kept for the rest.
+        Logits after the last layer, else None."""
+        if fb.split_index == 0:
+            fb.resolve_forward_inputs(self.device)
+            fb.attn_metadata = self.attn_backend.init_forward_metadata(fb)
+        end = min(fb.split_index + forward_count, self.model_config.num_hidden_layers)
+        return self.model.forward_split_prefill(fb, self.attn_backend, end)
+
+    @torch.inference_mode()
+    def split_prefill_and_sample(self, fb: ForwardBatch, reqs: list, forward_count: int,
+                                 partial: frozenset[int] = frozenset()) -> PendingSample | None:
+        """One split of a SPLIT_PREFILL batch (see forward_split_prefill); after its last layer,
+        its sampled tokens (as forward_and_sample), else None. On CUDA on the split stream, which
+        waits for the scheduler's writes (default stream) and, at the first split only, for the
+        decode forwards queued before it."""
+        if self.split_stream is None:
+            logits = self.forward_split_prefill(fb, forward_count)
+            return None if logits is None else self._sample(fb, logits, reqs, partial, None)
+        self.split_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if fb.split_index == 0:  # its slots may have been a finished request's, still written by a decode in flight
+            self.split_stream.wait_stream(self.forward_stream)
+        with torch.cuda.stream(self.split_stream):
+            logits = self.forward_split_prefill(fb, forward_count)
+            return None if logits is None else self._sample(fb, logits, reqs, partial, self.split_stream)
+
+    def sync_split_prefill(self) -> None:
+        """Wait until the split stream's queued work is done (before a dropped split prefill's KV
+        slots go back to the pool, where the next batch may take them)."""
+        if self.split_stream is not None:
+            self.split_stream.synchronize()
+
     def verify_graph_width(self, bs: int) -> int | None:
         """Positions per request (1 + k) that a verify batch of bs requests is padded to, so that
         it replays a CUDA graph; None: it runs eagerly, each request at 1 + its own drafts."""
@@ -234,6 +271,11 @@ class ModelRunner:
         logits = self.forward(fb)
         if logits is None:
             return PendingSample(torch.empty(0, dtype=torch.int64), [])
+        return self._sample(fb, logits, reqs, partial, self.forward_stream)
+
+    def _sample(self, fb: ForwardBatch, logits: torch.Tensor, reqs: list, partial: frozenset[int],
+                stream: torch.cuda.Stream | None) -> PendingSample:
+        """Sample from `logits` (computed on `stream`); the ids also go to the future-token buffer."""
         # One logits row per request (prompt logprobs keep a row per prompt position).
         if self.greedy_ids is not None and logits.shape[0] == len(reqs) and all(map(plain_greedy, reqs)):
             n = logits.shape[0]
@@ -255,7 +297,7 @@ class ModelRunner:
         # The ids go to pinned host memory on the copy stream; the scheduler waits on the event
         # only when it processes this batch. Until then the batch's tensors stay referenced, so
         # the caching allocator cannot hand their memory to a later batch while streams read it.
-        self.copy_stream.wait_stream(self.forward_stream)
+        self.copy_stream.wait_stream(stream)
         with torch.cuda.stream(self.copy_stream):
             host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
             host.copy_(next_ids, non_blocking=True)

@@ -15,6 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +46,31 @@ def _raiser(error: Exception) -> Callable[[], SampleResult]:
     def wait() -> SampleResult:
         raise error
     return wait
+
+
+def _no_result() -> None:
+    return None
+
+
+@dataclass
+class SplitPrefill:
+    """A prefill batch in flight by layers (ForwardMode.SPLIT_PREFILL): its ForwardBatch (built at
+    admission, kept to its last layer: inputs, attention metadata, the carried hidden state and
+    `split_index`), the layers it runs per step, the rows whose token is thrown away (a chunk
+    short of its prompt's end), and its requests aborted meanwhile (their KV slots are still
+    written by the later layers: they go back once the split ends)."""
+
+    batch: ScheduleBatch
+    fb: ForwardBatch
+    forward_count: int
+    partial: frozenset[int]
+    aborted: list[Req] = field(default_factory=list)
+
+    @property
+    def hidden_bytes(self) -> int:
+        """Bytes of the hidden state carried between its steps (0 before the first)."""
+        h = self.fb.hidden_states
+        return 0 if h is None else h.numel() * h.element_size()
 
 
 def make_drafter(config: EngineConfig, model_runner: ModelRunner, batches_by_mode: Counter) -> Drafter | None:
@@ -145,6 +171,10 @@ class Scheduler:
         self.prealloc = (DecodePrealloc(self.cache, model_runner.kv_cache, kv_source, timeout, wake)
                          if mode == "decode" else None)
         self.prebuilt_ready: list[Req] = []
+        # Split prefill: at most one prefill batch advanced a range of layers per step, beside
+        # the decode batch; its requests join the running batch after its last layer.
+        self.split_prefill: SplitPrefill | None = None
+        self.split_prefill_layers = 0  # layers run by split prefills (each step's slice counted)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.cache, self.device)
@@ -172,7 +202,8 @@ class Scheduler:
 
     def has_runnable(self) -> bool:
         """Work a step can do now (a KV transfer in progress wakes the loop when it changes)."""
-        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.prebuilt_ready)
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.prebuilt_ready
+                    or self.split_prefill)
 
     def _handle_aborts(self) -> list[Req]:
         ended, pending, self.pending_aborts = [], self.pending_aborts, []
@@ -196,11 +227,17 @@ class Scheduler:
                 admitted = True
                 if req is self.chunked_req:
                     self.chunked_req = None
-                if req.req_pool_idx is not None:
+                if self.split_prefill is not None and req in self.split_prefill.batch.reqs:
+                    self.split_prefill.aborted.append(req)  # its KV goes when the split ends
+                elif req.req_pool_idx is not None:
                     self.cache.cache_finished_req(req)
             ended.append(req)
         if admitted:
             self._drop_finished_from_running()
+        sp = self.split_prefill
+        if sp is not None and all(r.finished() for r in sp.batch.reqs):  # nothing left to compute it for
+            self.model_runner.sync_split_prefill()
+            self._end_split_prefill(completed=False)
         return ended
 
     # ---- one step ----------------------------------------------------------------------------
@@ -224,13 +261,16 @@ class Scheduler:
                                                or batch.forward_mode.is_target_verify())
             self.overlapped_steps += overlapped and self.inflight is not None
             wait = self.launch_batch(batch, strategy.executor)
+            split_wait = self.launch_split_prefill(strategy.executor)  # (after the decode, same thread)
             touched += self._finish_inflight()  # (under overlap: while this batch runs)
             if overlapped:
                 self.inflight = (batch, wait)
             else:
                 touched += self.complete(batch, wait)
         else:
+            split_wait = self.launch_split_prefill(strategy.executor)
             touched += self._finish_inflight()
+        touched += self.complete_split_prefill(split_wait)
         for req in touched:
             if req.finished():
                 self.reqs.pop(req.rid, None)
@@ -323,12 +363,17 @@ class Scheduler:
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         batch = self.get_new_batch_prefill()
-        if batch is not None:
+        if batch is None:
+            return self.update_running_batch()
+        if not batch.forward_mode.is_split_prefill():
             return batch
-        return self.update_running_batch()
+        self.start_split_prefill(batch)
+        return self.update_running_batch()  # the split's first layers run beside this decode
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
+            return None
+        if self.split_prefill is not None:  # one split prefill at a time (its requests admitted last)
             return None
         running = self.running_batch.reqs
         if len(running) >= self.max_running and self.chunked_req is None:
@@ -366,13 +411,14 @@ class Scheduler:
                 self.prompt_tokens += len(req.origin_input_ids)
         self.chunked_req = adder.new_chunked_req
         batch = self._new_batch(adder.can_run)
-        mixed = bool(self.config.enable_mixed_chunk and running and self.running_batch.check_decode_mem())
+        split = bool(running) and self.split_forward_count(sum(r.extend_input_len for r in batch.reqs)) is not None
+        mixed = bool(self.config.enable_mixed_chunk and running and not split and self.running_batch.check_decode_mem())
         try:
             if mixed:
                 self.running_batch = self._new_batch([])
                 batch.mix_with_running(self._new_batch(running))
             else:
-                batch.prepare_for_extend()
+                batch.prepare_for_extend(ForwardMode.SPLIT_PREFILL if split else ForwardMode.EXTEND)
         except Exception as e:  # the requests of this batch fail; the engine goes on
             self.failed += self.fail_reqs(batch.reqs + (running if mixed else []), e)
             return None
@@ -457,6 +503,8 @@ class Scheduler:
                                       f"last: {type(e).__name__}: {e}") from e
             return failed
         self.consecutive_batch_failures = 0
+        if result is None:  # a split prefill's step short of its last layer: nothing to process yet
+            return []
         return self.process_batch_result(batch, result)
 
     def fail_reqs(self, reqs: list[Req], error: BaseException | str) -> list[Req]:
@@ -514,14 +562,96 @@ class Scheduler:
             self.forward_seconds[mode] += time.perf_counter() - t0
             return pending
 
+        return self._submit(job, executor)
+
+    @staticmethod
+    def _submit(job: Callable[[], PendingSample | None],
+                executor: concurrent.futures.Executor | None) -> Callable[[], SampleResult | None]:
+        """Run `job` here or on `executor`; returns a callable that waits for its result (None:
+        a job that samples nothing) and raises what the job raised."""
         if executor is None:
             try:
                 pending = job()
             except Exception as e:
                 return _raiser(e)
-            return pending.resolve
+            return _no_result if pending is None else pending.resolve
         future = executor.submit(job)
-        return lambda: future.result().resolve()
+
+        def wait() -> SampleResult | None:
+            pending = future.result()
+            return None if pending is None else pending.resolve()
+        return wait
+
+    # ---- split prefill -----------------------------------------------------------------------
+    def split_forward_count(self, extend_tokens: int) -> int | None:
+        """Layers per step of a prefill batch of `extend_tokens` new tokens, when it is split:
+        max(1, split_forward_token_budget // extend_tokens). None when it is not: splitting off, a
+        model without forward_split_prefill, attention-DP (its MLP collectives run in lock-step
+        with whole forwards), or a batch whose every layer fits in one step's budget."""
+        model, layers = self.model_runner.model, self.model_runner.model_config.num_hidden_layers
+        if not (self.config.enable_split_prefill and model.supports_split_prefill and model.mlp_comm is None):
+            return None
+        count = max(1, self.config.split_forward_token_budget // max(1, extend_tokens))
+        return count if count < layers else None
+
+    def start_split_prefill(self, batch: ScheduleBatch) -> None:
+        """Hold a SPLIT_PREFILL batch in flight; its ForwardBatch is built now, once."""
+        try:
+            fb = ForwardBatch.init_new(batch, self.device)
+        except Exception as e:  # its requests fail, as when any batch cannot be built
+            self.failed += self.fail_reqs(batch.reqs, e)
+            return
+        partial = frozenset(i for i, r in enumerate(batch.reqs) if r.kv_len < r.seqlen)
+        self.split_prefill = SplitPrefill(batch, fb, self.split_forward_count(fb.num_tokens) or 1, partial)
+        self.batches_by_mode[ForwardMode.SPLIT_PREFILL.name] += 1
+
+    def launch_split_prefill(self, executor: concurrent.futures.Executor | None = None
+                             ) -> Callable[[], SampleResult | None] | None:
+        """Run the split prefill's next layers here or on `executor`, after the batch launched
+        before it (forwards run one at a time on the CPU; on CUDA on the split stream). With no
+        request decoding, every remaining layer at once: there is nothing to interleave with.
+        None: no split prefill."""
+        sp = self.split_prefill
+        if sp is None:
+            return None
+        remaining = self.model_runner.model_config.num_hidden_layers - sp.fb.split_index
+        count = min(remaining, sp.forward_count) if self.running_batch.reqs else remaining
+        self.split_prefill_layers += count
+        self.last_mode = self.last_mode or ForwardMode.SPLIT_PREFILL.name
+        fb, reqs, partial = sp.fb, sp.batch.reqs, sp.partial
+
+        def job() -> PendingSample | None:
+            t0 = time.perf_counter()
+            pending = self.model_runner.split_prefill_and_sample(fb, reqs, count, partial)
+            self.forward_seconds[ForwardMode.SPLIT_PREFILL.name] += time.perf_counter() - t0
+            return pending
+
+        return self._submit(job, executor)
+
+    def complete_split_prefill(self, wait: Callable[[], SampleResult | None] | None) -> list[Req]:
+        """Wait for this step's layers of the split prefill; after its last layer its results are
+        processed as any prefill's (its requests join the running batch) and it ends."""
+        sp = self.split_prefill
+        if wait is None or sp is None:
+            return []
+        touched = self.complete(sp.batch, wait)
+        done = sp.fb.split_index >= self.model_runner.model_config.num_hidden_layers
+        if done or all(r.finished() for r in sp.batch.reqs):  # (a failed forward failed them all)
+            self._end_split_prefill(completed=done)
+        return touched
+
+    def _end_split_prefill(self, completed: bool) -> None:
+        """The split prefill is over (its last layer ran, or it failed, or every request left):
+        the KV of its requests aborted meanwhile is cached if it was completed, else freed."""
+        sp, self.split_prefill = self.split_prefill, None
+        sp.fb.hidden_states = None
+        for req in sp.aborted:
+            if req.req_pool_idx is None:
+                continue
+            if completed:
+                self.cache.cache_finished_req(req)
+            else:
+                self.cache.release_req(req)
 
     def process_batch_result(self, batch: ScheduleBatch, result: SampleResult | VerifyResult) -> list[Req]:
         if batch.forward_mode.is_idle():
@@ -566,11 +696,18 @@ class Scheduler:
                     self.cache.cache_unfinished_req(req)
                 still_running.append(req)
             touched.append(req)
-        if batch.forward_mode == ForwardMode.EXTEND:
+        if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.SPLIT_PREFILL):
             self.running_batch = self._new_batch(self.running_batch.reqs + still_running)
         else:  # DECODE, or MIXED whose batch holds the former running requests too
-            self.running_batch = self._new_batch(still_running)
+            self._set_running(batch, still_running)
         return touched
+
+    def _set_running(self, batch: ScheduleBatch, still_running: list[Req]) -> None:
+        """After a decode, verify or MIXED batch: its requests still running, and those that
+        joined the running batch while it was in flight (a split prefill that ended meanwhile)."""
+        held = {id(r) for r in batch.reqs}
+        joined = [r for r in self.running_batch.reqs if id(r) not in held and not r.finished()]
+        self.running_batch = self._new_batch(still_running + joined)
 
     def _process_verify(self, batch: ScheduleBatch, result: VerifyResult) -> list[Req]:
         """Emit each request's accepted drafts and the target's token, one at a time with the
@@ -602,7 +739,7 @@ class Scheduler:
             else:
                 still_running.append(req)
             touched.append(req)
-        self.running_batch = self._new_batch(still_running)
+        self._set_running(batch, still_running)
         return touched
 
     @staticmethod

@@ -48,6 +48,12 @@ class CausalLM:
       (no host syncs), since decode batches replay it as a CUDA graph. With a backend whose
       `fused_rope_decode` is set, a DECODE (or IDLE) batch must go through
       `attn.forward_decode_rope(qkv, cos, sin_signed, i, fb)` instead, with q/k/v before RoPE.
+    - `forward_split_prefill(fb, attn, end) -> logits | None`: layers [fb.split_index, end) of an
+      extend batch (ForwardMode.SPLIT_PREFILL): the embedding before layer 0, the hidden state
+      carried in `fb.hidden_states` between calls, `fb.split_index` advanced to `end`; the logits
+      (as `forward` returns them) after the last layer, else None. The same arithmetic as
+      `forward`, layer for layer, so a split prefill computes the same tokens. A model without it
+      leaves `supports_split_prefill` False (its prefills are never split).
     - `scale`: the softmax scale the attention backend applies.
     - `mlp_comm`: None, or set by attention-DP after construction. Every layer then runs its MLP
       through `MLP.split_forward(x, mlp_comm)`: a split MLP passes its input through
@@ -64,6 +70,7 @@ class CausalLM:
     """
 
     expert_tokens: torch.Tensor | None = None
+    supports_split_prefill: bool = False  # it implements forward_split_prefill
     # Its DECODE forward has no host sync and no value-dependent shape, so the CPU decode graphs
     # (engine/cpu_graph.py, torch.compile with fullgraph) can hold it.
     cpu_graph_safe: bool = False
@@ -77,6 +84,9 @@ class CausalLM:
         self.mlp_comm = None
 
     def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_split_prefill(self, fb: ForwardBatch, attn, end: int) -> torch.Tensor | None:
         raise NotImplementedError
 
     def num_parameters(self) -> int:

@@ -32,6 +32,7 @@ class LlamaForCausalLM(CausalLM):
     MLP (MoE) subclasses this and overrides `make_mlp`."""
 
     cpu_graph_safe = True
+    supports_split_prefill = True
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
@@ -74,22 +75,42 @@ class LlamaForCausalLM(CausalLM):
         """Hidden states of the tokens at fb.last_token_indices -> logits [bs, vocab]."""
         if getattr(attn, "fused_rope_decode", False) and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle()):
             return self.forward_decode(fb, attn)
-        h = embed_tokens(fb.input_ids, self.embed, self.dtype)
+        residual = embed_tokens(fb.input_ids, self.embed, self.dtype)  # a fresh tensor: updated in place below
+        self.run_layers(fb, attn, residual, 0, len(self.layers))
+        return self.logits(fb, residual)
+
+    def forward_split_prefill(self, fb: ForwardBatch, attn, end: int) -> torch.Tensor | None:
+        """Layers [fb.split_index, end) of a SPLIT_PREFILL batch; the residual stream is the
+        hidden state carried in fb.hidden_states. Logits after the last layer, else None."""
+        if fb.split_index == 0:
+            fb.hidden_states = embed_tokens(fb.input_ids, self.embed, self.dtype)
+        self.run_layers(fb, attn, fb.hidden_states, fb.split_index, end)
+        fb.split_index = end
+        if end < len(self.layers):
+            return None
+        residual, fb.hidden_states = fb.hidden_states, None
+        return self.logits(fb, residual)
+
+    def run_layers(self, fb: ForwardBatch, attn, residual: torch.Tensor, start: int, end: int) -> None:
+        """Layers [start, end) over every token of fb, updating `residual` [T, hidden] in place."""
         cos, sin = self.rope(fb.positions)
-        T = h.shape[0]
-        residual = h  # a fresh tensor: updated in place below
+        T = residual.shape[0]
         blocks = row_blocks(T, self.device)
-        # Blocked: one q/k/v buffer per forward, filled block by block (not a new one per layer:
+        # Blocked: one q/k/v buffer per call, filled block by block (not a new one per layer:
         # first-touch page faults on a fresh buffer cost as much as the RoPE itself).
         qkv_buf = None
         if len(blocks) > 1:
-            qkv_buf = h.new_empty(T, self.layers[0].attn.qkv_heads, self.cfg.head_dim)
+            qkv_buf = residual.new_empty(T, self.layers[0].attn.qkv_heads, self.cfg.head_dim)
         tail_blocks = blocks if self.mlp_comm is None else [slice(None)]  # attention-DP's MLP needs all rows
-        for i, layer in enumerate(self.layers):
+        for i in range(start, end):
+            layer = self.layers[i]
             q, k, v = layer.attn_inputs(residual, cos, sin, blocks, qkv_buf)
             o = attn.forward(q, k, v, i, fb).reshape(T, self.q_size)
             for blk in tail_blocks:
                 layer.attn_out_and_mlp(residual[blk], o[blk], self.mlp_comm)
+
+    def logits(self, fb: ForwardBatch, residual: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head at fb.last_token_indices."""
         h = rms_norm(residual[fb.last_token_indices], self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(h)
 

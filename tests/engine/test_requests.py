@@ -179,7 +179,7 @@ def test_forward_modes(stories):
     batch.forward_mode = ForwardMode.PREBUILT
     with pytest.raises(ValueError, match="PREBUILT batch has no forward"):
         __import__("engine").ForwardBatch.init_new(batch, s.device)
-    for mode in (ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND):
+    for mode in (ForwardMode.DLLM_EXTEND,):  # (SPLIT_PREFILL runs: tests/engine/test_split_prefill.py)
         batch.forward_mode = mode
         with pytest.raises(NotImplementedError, match=mode.name):
             __import__("engine").ForwardBatch.init_new(batch, s.device)
