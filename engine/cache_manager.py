@@ -4,20 +4,32 @@ or released after a failure), the KV budget ("free + evictable") and the idle in
 
 The prefix cache behind it (`RadixCache`, or `NoRadixCache` when sharing is off) implements the
 `PrefixCache` protocol and knows nothing of requests. What the cache stores and evicts goes out
-as `KVEvent`s to subscribers (the actor forwards evictions to the cache-aware router)."""
+as `KVEvent`s to subscribers (the actor forwards evictions to the cache-aware router).
+
+With a `HiCacheConfig` the tree's eviction policy is `radix_eviction_policy`, and with
+`enable_hierarchical_cache` the tree is a `HiRadixCache` (engine/hicache): a match that ends in
+the host or storage tier is loaded into device slots here, inside `match_prefix`, so the
+scheduler sees an ordinary device prefix (and counts it in `cached_tokens`)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 import torch
 
 from engine.errors import MemoryInvariantError
-from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.hicache.eviction import create_eviction_policy
+from engine.hicache.hiradix_cache import HiRadixCache
+from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.radix_cache import NoRadixCache, RadixCache
 from engine.req import Req
+
+if TYPE_CHECKING:
+    from engine.hicache.config import HiCacheConfig
+    from engine.hicache.hiradix_cache import HiCacheStats
 
 
 class OutOfKVError(RuntimeError):
@@ -46,7 +58,7 @@ class PrefixCache(Protocol):
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, object]:
         """Longest cached prefix of key: its slots, and the node to lock for it."""
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, priority: int | None = None) -> int:
         """Offer key -> value slots. Returns n: the cache now owns value[n:]; value[:n] are the
         caller's, duplicates of what the cache already had (or, kept nothing, simply not kept)."""
 
@@ -54,8 +66,12 @@ class PrefixCache(Protocol):
 
     def dec_lock_ref(self, node: object) -> None: ...
 
+    def record_hit(self, node: object, priority: int | None = None) -> None:
+        """An admitted request uses the prefix ending at node (eviction policies read this)."""
+
     def evict(self, num_tokens: int) -> int:
-        """Free at least num_tokens slots of unlocked entries to the allocator, LRU first."""
+        """Free at least num_tokens slots of unlocked entries to the allocator, in the eviction
+        policy's order (LRU by default)."""
 
     def evictable_size(self) -> int: ...
 
@@ -66,14 +82,49 @@ class PrefixCache(Protocol):
     def leaf_paths(self) -> list[list[int]]: ...
 
 
+def request_priority(req: Req) -> int:
+    """The request's priority (vLLM's convention: lower value = more important; default 0)."""
+    return getattr(req, "priority", None) or 0
+
+
 class CacheManager:
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-                 share_prefixes: bool = True) -> None:
+                 share_prefixes: bool = True, hicache: HiCacheConfig | None = None,
+                 kv_cache: KVCache | None = None, model_id: str = "") -> None:
+        """hicache None: the radix cache with LRU (or no cache), as always. Otherwise its eviction
+        policy, and with enable_hierarchical_cache the host (and storage) tiers, which copy KV in
+        and out of `kv_cache` (the device pool); `model_id` names the weights in storage keys."""
         self.req_to_token_pool = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.allocator = allocator
         self.tree: PrefixCache = RadixCache(allocator) if share_prefixes else NoRadixCache(allocator)
+        self.hicache: HiRadixCache | None = None
         self._subscribers: list[Callable[[KVEvent], None]] = []
+        # Per request, the tokens of its last match that were loaded from the host tier and, of
+        # those, from storage: counted per tier when its prefill starts (`_admitted`).
+        self._loaded: weakref.WeakKeyDictionary[Req, tuple[int, int]] = weakref.WeakKeyDictionary()
+        if hicache is not None and share_prefixes:
+            self.configure_cache(hicache, kv_cache, model_id)
+
+    def configure_cache(self, config: HiCacheConfig, kv_cache: KVCache | None = None, model_id: str = "") -> None:
+        """Rebuild the prefix cache from `config` (eviction policy; tiers with
+        enable_hierarchical_cache, which need `kv_cache`). Only with no request running: what the
+        old cache held is freed."""
+        self.check_idle()
+        if not self.tree.shares_prefixes:
+            return
+        self.tree.evict(self.allocator.size)
+        self.close()
+        on_event = self.tree.on_event
+        if config.enable_hierarchical_cache:
+            if kv_cache is None:
+                raise ValueError("enable_hierarchical_cache needs the device KV pool (kv_cache)")
+            self.hicache = HiRadixCache(self.allocator, kv_cache, config, model_id)
+            self.tree = self.hicache
+        else:
+            self.hicache = None
+            self.tree = RadixCache(self.allocator, create_eviction_policy(config.radix_eviction_policy))
+        self.tree.on_event = on_event
 
     # ---- budget ----------------------------------------------------------------------------
     @property
@@ -101,7 +152,13 @@ class CacheManager:
         request that needs every prompt position's logits matches nothing."""
         fill = req.fill_ids
         key = [] if req.needs_prompt_logits else fill[:len(fill) - 1]
-        req.prefix_indices, req.last_node = self.tree.match_prefix(key)
+        if self.hicache is not None:
+            # The host (and storage) part is loaded into device slots now; the tree holds them
+            # (evictable until the request is admitted and locks them), so the budget is unchanged.
+            req.prefix_indices, req.last_node, host, storage = self.hicache.match_and_load(key)
+            self._loaded[req] = (host, storage)
+        else:
+            req.prefix_indices, req.last_node = self.tree.match_prefix(key)
         req.extend_input_len = len(fill) - len(req.prefix_indices)
 
     def lock(self, req: Req) -> int:
@@ -116,6 +173,8 @@ class CacheManager:
 
     # ---- allocation ------------------------------------------------------------------------
     def alloc_slots(self, n: int) -> torch.Tensor:
+        if self.hicache is not None:  # the requests of earlier matches are admitted (locked) or will match again
+            self.hicache.end_match_round()
         if self.allocator.available_size() < n:
             self.tree.evict(n - self.allocator.available_size())
         slots = self.allocator.alloc(n)
@@ -135,6 +194,7 @@ class CacheManager:
                     if r.req_pool_idx is None:
                         raise OutOfKVError("no free request row")
                     pool.write(r.req_pool_idx, 0, r.prefix_indices)
+                    self._admitted(r)
                 pool.write(r.req_pool_idx, p, out_cache_loc[offset:offset + n])
                 r.kv_len = p + n
                 offset += n
@@ -142,6 +202,18 @@ class CacheManager:
             self.allocator.free(out_cache_loc[offset:])
             raise
         return out_cache_loc
+
+    def _admitted(self, req: Req) -> None:
+        """A request starts its prefill on its matched prefix: a hit for the eviction policies,
+        and its prefix's tokens counted per tier they came from."""
+        if req.last_node is not None:
+            self.tree.record_hit(req.last_node, request_priority(req))
+        if self.hicache is not None:
+            host, storage = self._loaded.pop(req, (0, 0))
+            tiers = self.hicache.tiers
+            tiers["device"].hit_tokens += len(req.prefix_indices) - host
+            tiers["host"].hit_tokens += host - storage
+            tiers["storage"].hit_tokens += storage
 
     def alloc_decode(self, reqs: list[Req], rows: torch.Tensor, old_lens: torch.Tensor) -> torch.Tensor:
         """One slot per sequence, written at req_to_token[row, old_len]."""
@@ -170,7 +242,7 @@ class CacheManager:
     def _insert(self, req: Req) -> torch.Tensor:
         """Offer the request's computed KV to the cache; free its duplicates of cached slots."""
         slots = self.kv_indices(req)
-        have = self.tree.insert(req.fill_ids[:req.kv_len], slots)
+        have = self.tree.insert(req.fill_ids[:req.kv_len], slots, request_priority(req))
         if have > req.cache_protected_len:
             self.allocator.free(slots[req.cache_protected_len:have])
         return slots
@@ -241,3 +313,16 @@ class CacheManager:
         pool = self.req_to_token_pool
         if pool.available_size() != pool.size:
             raise MemoryInvariantError(f"request rows leaked: {pool.size - pool.available_size()}")
+        if self.hicache is not None:
+            self.hicache.check_host()
+
+    # ---- the hierarchical cache ----------------------------------------------------------------
+    def hicache_stats(self) -> HiCacheStats | None:
+        """Per-tier hits (prompt tokens admitted from each tier), bytes moved, load times; None
+        without the hierarchical cache."""
+        return self.hicache.stats() if self.hicache is not None else None
+
+    def close(self) -> None:
+        """At shutdown: flush the storage tier's pending writes."""
+        if self.hicache is not None:
+            self.hicache.close()

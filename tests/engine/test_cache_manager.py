@@ -8,7 +8,8 @@ import torch
 
 from engine import Engine, MemoryInvariantError, SamplingParams
 from engine.cache_manager import CacheManager, KVEvent
-from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from engine.hicache.config import HiCacheConfig
+from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.req import Req
 from engine.scheduler import StepStrategy
 
@@ -45,6 +46,37 @@ def test_events_report_what_the_cache_stores_and_evicts():
     assert {(tuple(e.token_ids), e.start) for e in events[2:]} == {((1, 2, 3, 4, 5), 3), ((1, 2, 3, 9), 3),
                                                                    ((1, 2, 3), 0)}
     assert cache.snapshot() == []
+
+
+def test_events_follow_the_device_view_with_a_host_tier():
+    """With the host tier an eviction still says "removed" (the pool no longer holds it) and a
+    load-back says "stored" again, from the end of the part the pool kept."""
+    kv = KVCache(16, 1, 1, 2, torch.float32, CPU)
+    cache = _manager(slots=16)
+    events: list[KVEvent] = []
+    cache.subscribe(events.append)
+    cache.configure_cache(HiCacheConfig(enable_hierarchical_cache=True), kv)  # subscribers stay
+    cache.cache_finished_req(_prefilled(cache, [1, 2, 3, 4, 5]))
+    cache.cache_finished_req(_prefilled(cache, [1, 2, 3, 9]))
+    assert events == [KVEvent("stored", [1, 2, 3, 4, 5], 0), KVEvent("stored", [1, 2, 3, 9], 3)]
+    cache.allocator.free(cache.alloc_slots(16))  # everything leaves the pool, none of it the host
+    assert [e.kind for e in events[2:]] == ["removed"] * 3 and cache.snapshot() == []
+    assert cache.hicache.host_tokens() == 6
+    req = _prefilled(cache, [1, 2, 3, 4, 5, 6])  # [1..5] loaded back from the host
+    assert len(req.prefix_indices) == 5 and events[-1] == KVEvent("stored", [1, 2, 3, 4, 5], 0)
+    cache.cache_finished_req(req)
+    cache.check_idle()
+    assert cache.hicache_stats().host.hit_tokens == 5
+
+
+def test_configure_cache_needs_an_idle_cache():
+    cache = _manager(slots=16)
+    req = _prefilled(cache, [1, 2, 3])
+    with pytest.raises(MemoryInvariantError):
+        cache.configure_cache(HiCacheConfig(radix_eviction_policy="lfu"))
+    cache.cache_finished_req(req)
+    cache.configure_cache(HiCacheConfig(radix_eviction_policy="lfu"))  # what it held is freed
+    assert cache.tree.policy.name == "lfu" and cache.available_size() == 16 and cache.cached_size() == 0
 
 
 def test_budget_and_idle_invariant():
