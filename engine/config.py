@@ -29,6 +29,8 @@ DisaggregationMode = Literal["null", "prefill", "decode"]
 # How KV moves between engine actors (actors/kv_transfer.py implements them; an in-process pair
 # passes it by reference whatever this says).
 DisaggregationTransferBackend = Literal["object_store", "p2p"]
+# Denoising algorithms of block-diffusion models (engine/dllm/algorithm.py registers them).
+DllmAlgorithmName = Literal["low_confidence"]
 SCHEDULE_POLICIES = get_args(SchedulePolicy)
 ATTENTION_BACKENDS = get_args(AttentionBackendName)
 LINEAR_BACKENDS = get_args(LinearBackend)
@@ -41,6 +43,7 @@ MOE_DISPATCHES = get_args(MoeDispatch)
 CPU_GRAPH_MODES = get_args(CpuGraphMode)
 DISAGGREGATION_MODES = get_args(DisaggregationMode)
 DISAGGREGATION_TRANSFER_BACKENDS = get_args(DisaggregationTransferBackend)
+DLLM_ALGORITHM_NAMES = get_args(DllmAlgorithmName)
 
 
 # Callers inside these packages (and argparse, for a flag) are skipped when a deprecation warning
@@ -171,6 +174,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # max(1, this // the batch's prompt tokens). About one 512-token chunk of an 8-layer model;
     # SGLang's 65536 suits a GPU, whose step computes far more per second.
     split_forward_token_budget: int = 4096
+    # Tensor parallelism (SGLang's name): the engine's model split over this many ranks (column- and
+    # row-parallel projections, a vocabulary-parallel embedding and LM head), rank 0 scheduling.
+    tp_size: int = 1
     attention_backend: AttentionBackendName = "torch"  # attention kernels: torch (SDPA, C++ decode on the CPU), triton, flash_attn
     # CPU linears: "native" (the project's GEMM: float32 on AVX-512; bfloat16 on AVX512-BF16 for
     # 1-3 rows, beside oneDNN's weight for more), "onednn" (prepacked oneDNN), "torch" (F.linear);
@@ -223,6 +229,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # the prefill call's result through Ray's object store (one contiguous buffer per transfer); "p2p",
     # a point-to-point gloo link between the two engines (host-staged on CUDA).
     disaggregation_transfer_backend: DisaggregationTransferBackend = "object_store"
+    # Block-diffusion models (SGLang's names; engine/dllm): how each DLLM_EXTEND forward unmasks a
+    # block. "low_confidence": every masked position whose top probability exceeds dllm_threshold,
+    # or else the single most confident one.
+    dllm_algorithm: DllmAlgorithmName = "low_confidence"
+    dllm_threshold: float = 0.95  # low_confidence's threshold in [0, 1]: 0 unmasks a whole block per forward, 1 one position
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -252,7 +263,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size",
                      "max_prefill_tokens", "max_context_len", "torch_threads", "cpu_graph_max_bs",
-                     "split_forward_token_budget"):
+                     "split_forward_token_budget", "tp_size"):
             v = getattr(self, name)
             need(v is None or v >= 1, f"{name} must be >= 1, got {v}")
         need(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static must be in (0, 1)")
@@ -265,6 +276,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(1 <= self.speculative_num_draft_tokens <= 64, "speculative_num_draft_tokens must be in [1, 64]")
         need(1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size,
              "need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size")
+        need(self.dllm_algorithm in DLLM_ALGORITHM_NAMES,
+             f"dllm_algorithm must be one of {DLLM_ALGORITHM_NAMES}, got {self.dllm_algorithm!r}")
+        need(0.0 <= self.dllm_threshold <= 1.0, f"dllm_threshold must be in [0, 1], got {self.dllm_threshold}")
         grammar_backend_class(self.grammar_backend, self.constrained_json_whitespace_pattern)  # ConfigError
 
     @classmethod
@@ -308,6 +322,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert; 0: none
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+    # Block diffusion (SDAR): positions per block (0: an autoregressive model) and the id of a
+    # position still to be denoised, config.json's `block_size` and `mask_token_id`.
+    dllm_block_size: int = 0
+    dllm_mask_token_id: int | None = None
+
+    @property
+    def is_dllm(self) -> bool:
+        """A block-diffusion model: its output is denoised block by block (DLLM_EXTEND)."""
+        return self.dllm_block_size > 0
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether layer `layer` has an MoE MLP (transformers' rule; all layers of Mixtral, OLMoE)."""
@@ -372,7 +395,19 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
             shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
             clip_qkv=hf.get("clip_qkv"),
+            **_dllm_fields(hf),
         )
+
+
+def _dllm_fields(hf: dict) -> dict[str, Any]:
+    """A block-diffusion model's block size and mask token, when config.json gives both as
+    integers (a model that needs them and lacks one is refused where it is built: engine/models/sdar.py)."""
+    block, mask = hf.get("block_size"), hf.get("mask_token_id")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (block, mask)):
+        return {}
+    if block < 1 or mask < 0:
+        raise ConfigError(f"block_size must be >= 1 and mask_token_id >= 0, got {block} and {mask}")
+    return {"dllm_block_size": block, "dllm_mask_token_id": mask}
 
 
 def _read_generation_eos(model_dir: str) -> tuple[int, ...]:

@@ -159,7 +159,8 @@ class Engine:
                                      mr.max_total_tokens, eos_token_ids=self.eos_ids,
                                      grammar_backend=self.config.grammar_backend,
                                      json_whitespace_pattern=self.config.constrained_json_whitespace_pattern,
-                                     limits=self.config.limits)
+                                     limits=self.config.limits,
+                                     dllm_block_size=self.model_config.dllm_block_size)
         self.tokenize = self.inputs.tokenize
         self._rng = random.Random(self.config.random_seed)
         self._rid_counter = itertools.count()

@@ -57,7 +57,7 @@ class ForwardMode(IntEnum):
 
 SUPPORTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE,
                              ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2, ForwardMode.PREBUILT,
-                             ForwardMode.SPLIT_PREFILL})
+                             ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND})
 
 
 def require_supported(mode: ForwardMode) -> None:
@@ -152,7 +152,10 @@ class ForwardBatch:
         else:
             ext = batch.extend_lens
             starts = fb.set_extend_layout(batch.prefix_lens, ext)
-            if mode.is_target_verify():  # every position's logits: each scores the draft after it
+            if mode.is_dllm_extend():  # no logit shift: each masked position's own row
+                fb.last_token_indices = torch.tensor(
+                    [s + j for s, rows in zip(starts, batch.dllm_logit_rows) for j in rows], dtype=torch.int64)
+            elif mode.is_target_verify():  # every position's logits: each scores the draft after it
                 fb.last_token_indices = torch.arange(sum(ext))
             elif any(r.needs_prompt_logits for r in batch.reqs):  # prompt logprobs: all their rows
                 fb.last_token_indices = torch.tensor([

@@ -21,8 +21,14 @@ from engine.tokenizer import Tokenizer
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_context_len: int, max_total_tokens: int,
                  eos_token_ids: Iterable[int] | None = None, grammar_backend: str = "llguidance",
-                 json_whitespace_pattern: str | None = None, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+                 json_whitespace_pattern: str | None = None, limits: RequestLimits = DEFAULT_LIMITS,
+                 dllm_block_size: int = 0) -> None:
+        """dllm_block_size: a block-diffusion model's block size (0: autoregressive); its requests
+        take what block denoising does with (`check_dllm`)."""
         self.tokenizer = tokenizer
+        self.dllm_block_size = dllm_block_size
+        self.max_context_len = max_context_len
+        self.max_total_tokens = max_total_tokens
         self.limits = limits  # the stop lists, grammar, messages and prompt characters are checked here
         self.vocab_size = vocab_size
         # A request must fit the context and the KV pool (one slot stays free for padding).
@@ -127,7 +133,39 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"prompt ({num_input} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                 f"context limit of {self.max_len} tokens", "max_tokens")
+        if self.dllm_block_size:
+            self.check_dllm(num_input, params)
         self.compile_grammar(params)  # last: the cheap checks first
+
+    def check_dllm(self, num_input: int, params: SamplingParams) -> None:
+        """What a block-diffusion model's request cannot ask for: a block's positions are unmasked
+        in confidence order, not left to right, so nothing that conditions a token on the ones
+        before it applies (penalties, logit_bias, min_tokens, grammars), and no log-probability
+        is computed (the unmasking reads the masked positions' distributions only). Its last block
+        is denoised whole, so that block's end must fit the KV pool."""
+        checks = (
+            ("logprobs", params.logprobs),
+            ("prompt_logprobs", params.prompt_logprobs is not None),
+            ("frequency_penalty", params.frequency_penalty),
+            ("presence_penalty", params.presence_penalty),
+            ("repetition_penalty", params.repetition_penalty != 1.0),
+            ("logit_bias", params.logit_bias),
+            ("min_tokens", params.min_tokens),
+        )
+        for name, asked in checks:
+            if asked:
+                raise InvalidRequestError(f"{name} is not supported by block-diffusion models", name)
+        if params.constraint is not None:
+            kind = params.constraint[0]
+            param = {"json_schema": "response_format"}.get(kind, kind)
+            raise InvalidRequestError(f"structured outputs ({param}) are not supported by block-diffusion "
+                                      f"models", param)
+        bs = self.dllm_block_size
+        end = min(-(-(num_input + params.max_new_tokens) // bs) * bs, self.max_context_len)
+        if end > self.max_total_tokens - 1:
+            raise InvalidRequestError(
+                f"prompt ({num_input} tokens) + max_new_tokens ({params.max_new_tokens}), rounded up to "
+                f"the block size {bs}, exceeds the KV pool of {self.max_total_tokens - 1} tokens", "max_tokens")
 
     @staticmethod
     def as_params(sp: Any) -> SamplingParams:

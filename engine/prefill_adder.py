@@ -19,13 +19,17 @@ class PrefillAdder:
     requests' future tokens), prefill tokens per batch, and the chunk size."""
 
     def __init__(self, cache: CacheManager, running: list[Req], new_token_ratio: float,
-                 max_prefill_tokens: int, chunk_size: int, mixed_with_decode: bool = False) -> None:
+                 max_prefill_tokens: int, chunk_size: int, mixed_with_decode: bool = False,
+                 min_reserve: int = 0) -> None:
+        """min_reserve: slots the running requests take in this very batch (a DLLM_EXTEND batch's
+        blocks just begun), kept whatever the ratio says."""
         self.cache = cache
         reserve = sum((r.sampling_params.max_new_tokens - len(r.output_ids)) * new_token_ratio for r in running)
         if mixed_with_decode:
             # A MIXED batch adds a one-token extend per running request in this very batch: those
             # slots are needed now, whatever the ratio says (it can round below one slot each).
-            reserve = max(reserve, float(len(running)))
+            min_reserve = max(min_reserve, len(running))
+        reserve = max(reserve, float(min_reserve))
         self.rem_total_tokens = cache.available_size() - reserve
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunk_size

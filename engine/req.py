@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.errors import ErrorKind
 from engine.grammar import GrammarMatcher
 from engine.sampling import PromptLogprob, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.dllm.block import DllmBlock
 
 
 class FinishReason:
@@ -65,6 +70,9 @@ class Req:
         self.kv_payload = None
         self.disagg: tuple | None = None
         self.num_kv_fetches = 0
+        # Block diffusion (engine/dllm): the block being denoised, from admission until the request
+        # ends (a retracted request keeps it: its unmasked positions stand).
+        self.dllm_block: DllmBlock | None = None
 
     @property
     def fill_ids(self) -> list[int]:

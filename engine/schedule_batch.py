@@ -25,6 +25,9 @@ class ScheduleBatch:
         self.input_ids_from_future = False
         self.decoding_reqs: set[int] = set()  # ids of running requests folded into a MIXED batch
         self.drafts: list[list[int]] = []  # TARGET_VERIFY: each request's draft tokens
+        # DLLM_EXTEND: per request, the offsets in its extend of the positions still masked
+        # (where logits are taken).
+        self.dllm_logit_rows: list[list[int]] = []
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -68,6 +71,31 @@ class ScheduleBatch:
         self.decoding_reqs = {id(r) for r in running.reqs}
         self.reqs = self.reqs + running.reqs
         self.prepare_for_extend(ForwardMode.MIXED)
+
+    # ---- block diffusion -------------------------------------------------------------------
+    def prepare_for_dllm_extend(self) -> None:
+        """DLLM_EXTEND: per request an extend from its block's `prefix_len` to the block's end
+        (the prompt after its cached prefix, or the committed block whose KV is recomputed with
+        its final tokens, then the block, masks included); KV slots for the positions that have
+        none yet (a new request's row and prompt, a block just begun); logits at the masked
+        positions (`dllm_logit_rows`)."""
+        self.forward_mode = ForwardMode.DLLM_EXTEND
+        blocks = [r.dllm_block for r in self.reqs]
+        grow = [(r, b.prefix_len if r.req_pool_idx is None else r.kv_len, b.end)
+                for r, b in zip(self.reqs, blocks) if r.req_pool_idx is None or r.kv_len < b.end]
+        if grow:
+            self.cache.alloc_extend([g[0] for g in grow], [g[1] for g in grow], [e - p for _, p, e in grow])
+        self.prefix_lens = [b.prefix_len for b in blocks]
+        self.extend_lens = [b.end - b.prefix_len for b in blocks]
+        self.seq_lens_cpu = [b.end for b in blocks]
+        input_ids = [t for r, b in zip(self.reqs, blocks) for t in r.fill_ids[b.prefix_len:b.start] + b.tokens]
+        req_to_token = self.cache.req_to_token
+        self.out_cache_loc = torch.cat([req_to_token[r.req_pool_idx, b.prefix_len:b.end]
+                                        for r, b in zip(self.reqs, blocks)]).to(torch.int64)
+        self.req_pool_indices = self._to_device([r.req_pool_idx for r in self.reqs], torch.int64)
+        self.input_ids = self._stage(input_ids)
+        self.seq_lens = self._stage(self.seq_lens_cpu)
+        self.dllm_logit_rows = [[b.start - b.prefix_len + i for i in b.masked()] for b in blocks]
 
     # ---- decode ----------------------------------------------------------------------------
     def prepare_for_decode(self, from_future: bool = False) -> None:

@@ -11,6 +11,7 @@ previous step's tokens (detokenization, streaming) with the verify forward."""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import time
 from collections import Counter
@@ -24,8 +25,11 @@ from engine.config import DEFAULT_MAX_PREFILL_TOKENS, EngineConfig
 from engine.disaggregation.decode import DecodePrealloc
 from engine.disaggregation.prefill import PrefillTransfers
 from engine.disaggregation.transfer import KVSource
+from engine.dllm.algorithm import create_dllm_algorithm
+from engine.dllm.config import DllmConfig
+from engine.dllm.runner import DllmLogits, DllmRunner
 from engine.draft_model import DraftModelDrafter
-from engine.errors import EngineDeadError, ErrorKind
+from engine.errors import ConfigError, EngineDeadError, ErrorKind
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.grammar import GrammarError
 from engine.model_runner import ModelRunner, PendingSample
@@ -87,6 +91,30 @@ def make_drafter(config: EngineConfig, model_runner: ModelRunner, batches_by_mod
         return DraftModelDrafter(config, model_runner.model_config, model_runner.max_context_len, rows,
                                  model_runner.max_total_tokens + rows * k, batches_by_mode)
     return None
+
+
+def make_dllm_runner(config: EngineConfig, model_runner: ModelRunner, cache: CacheManager,
+                     eos_token_ids: frozenset[int], decode_tail: Callable[[list[int]], str] | None
+                     ) -> DllmRunner | None:
+    """The block-diffusion runner for a block-diffusion model (None for an autoregressive one).
+    Refuses what does not apply to block diffusion: an attention backend without block-causal
+    attention, speculation, disaggregation, chunked prefill (a prompt's first forward is one
+    extend, like its blocks'), MIXED batches and split prefill (a DLLM_EXTEND batch is no
+    decode batch to mix or interleave with)."""
+    cfg = model_runner.model_config
+    if not cfg.is_dllm:
+        return None
+    if not model_runner.attn_backend.block_causal:
+        raise ConfigError(f"attention backend {config.attention_backend!r} has no block-causal attention, "
+                          f"which the block-diffusion model {cfg.architecture} needs")
+    for name, off in (("speculative_algorithm", None), ("disaggregation_mode", "null"),
+                      ("chunked_prefill_size", None), ("enable_mixed_chunk", False),
+                      ("enable_split_prefill", False)):
+        if getattr(config, name) != off:
+            raise ConfigError(f"{name} does not apply to the block-diffusion model {cfg.architecture}: leave it unset")
+    return DllmRunner(cache, DllmConfig.from_model_config(cfg),
+                      create_dllm_algorithm(config.dllm_algorithm, config.dllm_threshold),
+                      eos_token_ids, model_runner.max_context_len, decode_tail)
 
 
 class StepStrategy:
@@ -175,6 +203,8 @@ class Scheduler:
         # the decode batch; its requests join the running batch after its last layer.
         self.split_prefill: SplitPrefill | None = None
         self.split_prefill_layers = 0  # layers run by split prefills (each step's slice counted)
+        # Block diffusion: every step is one DLLM_EXTEND batch of every admitted request.
+        self.dllm = make_dllm_runner(config, model_runner, self.cache, eos_token_ids, decode_tail)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(reqs, self.cache, self.device)
@@ -229,6 +259,8 @@ class Scheduler:
                     self.chunked_req = None
                 if self.split_prefill is not None and req in self.split_prefill.batch.reqs:
                     self.split_prefill.aborted.append(req)  # its KV goes when the split ends
+                elif self.dllm is not None:  # its KV past its final blocks saw masks: not cached
+                    self.dllm.finish(req)
                 elif req.req_pool_idx is not None:
                     self.cache.cache_finished_req(req)
             ended.append(req)
@@ -362,6 +394,8 @@ class Scheduler:
         return batch
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.dllm is not None:
+            return self.get_dllm_batch()
         batch = self.get_new_batch_prefill()
         if batch is None:
             return self.update_running_batch()
@@ -423,6 +457,116 @@ class Scheduler:
             self.failed += self.fail_reqs(batch.reqs + (running if mixed else []), e)
             return None
         return batch
+
+    # ---- block diffusion ------------------------------------------------------------------------
+    def get_dllm_batch(self) -> ScheduleBatch | None:
+        """One DLLM_EXTEND batch of every admitted request, waiting requests joining whenever the
+        budgets allow (there is no prefill step: a new request's first forward is its prompt and
+        first block). Running requests whose block just began take their slots first, retracting
+        the least advanced when the pool cannot give them."""
+        running = self.running_batch.reqs
+        if self.dllm.slots_needed(running) > self.cache.available_size():
+            running = self._retract_dllm(running)
+        admitted = self._admit_dllm(running, self.dllm.slots_needed(running))
+        reqs = running + admitted
+        self.running_batch = self._new_batch(reqs)
+        if not reqs:
+            return None
+        batch = self._new_batch(reqs)
+        try:
+            batch.prepare_for_dllm_extend()
+        except Exception as e:  # the requests of this batch fail; the engine goes on
+            self.failed += self.fail_reqs(reqs, e)
+            return None
+        self.new_token_ratio = max(self.new_token_ratio - self.config.new_token_ratio_decay,
+                                   self.config.min_new_token_ratio)
+        return batch
+
+    def _retract_dllm(self, running: list[Req]) -> list[Req]:
+        """Retract running requests, least output first, until the rest's new blocks fit; each
+        keeps its block and is admitted again later (its KV recomputed from the cache's whole
+        blocks). Returns the requests kept."""
+        order = sorted(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        kept, retracted = list(running), []
+        while len(kept) > 1 and self.dllm.slots_needed(kept) > self.cache.available_size():
+            victim = order[len(retracted)]
+            kept.remove(victim)
+            self.dllm.retract(victim)
+            victim.num_retractions += 1
+            retracted.append(victim)
+        self.num_retracted += len(retracted)
+        self.waiting_queue = retracted + self.waiting_queue
+        self.new_token_ratio = 1.0  # reserve every running request's full remaining output a while
+        return kept
+
+    def _admit_dllm(self, running: list[Req], reserve: int) -> list[Req]:
+        """Waiting requests admitted under the PrefillAdder's budgets (KV for their first forward,
+        from the cached whole blocks to their first block's end, beside `reserve` slots the
+        running requests take in this batch; prefill tokens per batch), their first blocks begun."""
+        if not self.waiting_queue or len(running) >= self.max_running:
+            return []
+        if self.config.schedule_policy == "lpm":
+            for req in self.waiting_queue:
+                self.dllm.match_prefix(req)
+            self.waiting_queue.sort(key=lambda r: -len(r.prefix_indices))
+        # (no chunk limit: a prompt's first forward is one extend)
+        adder = PrefillAdder(self.cache, running, self.new_token_ratio, self.max_prefill_tokens, 1 << 62,
+                             min_reserve=reserve)
+        admitted_heads: set[tuple[int, ...]] = set()
+        for req in self.waiting_queue:
+            if len(running) + len(adder.can_run) >= self.max_running:
+                break
+            if self.config.schedule_policy != "lpm":
+                self.dllm.match_prefix(req)
+            if self._defer_shared_prefix(req, admitted_heads):
+                continue
+            if adder.add_one_req(req) != AddResult.CONTINUE:
+                break
+        admitted = {id(r) for r in adder.can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        for req in adder.can_run:
+            if req.num_retractions == 0:
+                req.cached_tokens = len(req.prefix_indices)
+                self.cached_tokens += req.cached_tokens
+                self.prompt_tokens += len(req.origin_input_ids)
+            self.dllm.start(req)
+        return adder.can_run
+
+    def _process_dllm(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+        """Unmask every block (a request whose rows are not finite fails alone), commit the blocks
+        left with no mask (their tokens are the request's new output, streamed now), end the
+        finished requests (their final blocks cached)."""
+        touched, good, rows = [], [], []
+        sizes = [len(r) for r in batch.dllm_logit_rows]
+        finite = torch.isfinite(logits).all(dim=1).tolist()
+        for req, start, n in zip(batch.reqs, itertools.accumulate(sizes, initial=0), sizes):
+            if req.finished():
+                continue
+            if not all(finite[start:start + n]):
+                touched += self.fail_reqs([req], "the model produced non-finite logits for this request")
+                continue
+            good.append(req)
+            rows.extend(range(start, start + n))
+        if len(good) < len(batch.reqs) and good:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        try:
+            if good:
+                self.dllm.unmask(good, logits)
+        except Exception as e:
+            touched += self.fail_reqs(good, e)
+            good = []
+        for req in good:
+            try:
+                appended = self.dllm.settle(req)
+            except Exception as e:  # one request's bug (stop checks, say) fails that request only
+                touched += self.fail_reqs([req], e)
+                continue
+            self.generated_tokens += len(appended)
+            if appended:  # (the cache call outside that guard, as for autoregressive requests)
+                self.dllm.next_block(req)
+                touched.append(req)
+        self._drop_finished_from_running()
+        return touched
 
     def _defer_shared_prefix(self, req: Req, admitted_heads: set[tuple[int, ...]]) -> bool:
         """In-batch prefix caching: of several uncached requests that share a head, admit one
@@ -522,7 +666,10 @@ class Scheduler:
             if req is self.chunked_req:
                 self.chunked_req = None
             try:
-                self.cache.release_req(req)
+                if self.dllm is not None:
+                    self.dllm.release(req)
+                else:
+                    self.cache.release_req(req)
             except Exception:  # keep failing the others; the idle check reports any leak
                 log.exception("releasing the KV of request %s failed", req.rid)
             self.num_failed += 1
@@ -553,9 +700,11 @@ class Scheduler:
         partial = frozenset(i for i, r in enumerate(reqs) if r.kv_len < r.seqlen) if fb.forward_mode.is_extend() \
             else frozenset()
 
-        def job() -> PendingSample:
+        def job() -> PendingSample | DllmLogits:
             t0 = time.perf_counter()
-            if fb.forward_mode.is_target_verify():
+            if fb.forward_mode.is_dllm_extend():  # the unmasking runs when the batch is processed
+                pending = DllmLogits(self.model_runner.forward(fb))
+            elif fb.forward_mode.is_target_verify():
                 pending = self.model_runner.forward_and_verify(fb, reqs, drafts)
             else:
                 pending = self.model_runner.forward_and_sample(fb, reqs, from_future, partial)
@@ -658,6 +807,8 @@ class Scheduler:
             return []
         if batch.forward_mode.is_target_verify():
             return self._process_verify(batch, result)
+        if batch.forward_mode.is_dllm_extend():
+            return self._process_dllm(batch, result)
         touched, still_running = [], []
         decoding = batch.decoding_reqs
         for i, req in enumerate(batch.reqs):
@@ -766,3 +917,5 @@ class Scheduler:
         self.cache.check_idle()
         if self.drafter is not None:
             self.drafter.check_idle()
+        if self.dllm is not None:
+            self.dllm.check_idle()

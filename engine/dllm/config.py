@@ -8,6 +8,7 @@ import os
 
 import msgspec
 
+from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.model_path import resolve_model_path
 
@@ -34,6 +35,15 @@ class DllmConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"a block-diffusion model's config.json needs integer {' and '.join(missing)}"
             )
         return cls(mask_token_id=hf["mask_token_id"], block_size=hf["block_size"])
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig) -> DllmConfig:
+        """From the parsed config.json (`ModelConfig.dllm_block_size`, `dllm_mask_token_id`)."""
+        if not cfg.is_dllm:
+            raise ConfigError(
+                f"{cfg.architecture} is not a block-diffusion model (no block_size and mask_token_id)"
+            )
+        return cls(mask_token_id=cfg.dllm_mask_token_id, block_size=cfg.dllm_block_size)
 
     @classmethod
     def from_dir(cls, model_path: str) -> DllmConfig:

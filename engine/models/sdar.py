@@ -20,10 +20,8 @@ from kernels.cpu_linear import LinearKind
 @register_model("SDARForCausalLM")
 class SDARForCausalLM(LlamaForCausalLM):
     """Position i attends to position j iff j // block_size <= i // block_size, in every forward.
-
-    `block_size` comes from config.json (`engine.dllm.config.DllmConfig`), which ModelConfig does
-    not carry: whoever runs the model sets it (`engine.dllm.runner.DllmRunner`) before the first
-    forward; a forward without it raises."""
+    `block_size` is config.json's (`ModelConfig.dllm_block_size`), which must give it and
+    `mask_token_id`."""
 
     # Its forwards are DLLM extends: CPU decode graphs would be compiled for nothing.
     cpu_graph_safe = False
@@ -39,6 +37,10 @@ class SDARForCausalLM(LlamaForCausalLM):
         linear: LinearKind = "torch",
         moe_split: MoESplit = "experts",
     ) -> None:
+        if not cfg.is_dllm:
+            raise ConfigError(
+                "SDARForCausalLM needs integer block_size and mask_token_id in config.json"
+            )
         # Qwen3's per-head q/k norms also under model_type "sdar" (ModelConfig sets them for "qwen3").
         super().__init__(
             msgspec.structs.replace(cfg, qk_norm=True),
@@ -50,10 +52,8 @@ class SDARForCausalLM(LlamaForCausalLM):
             linear,
             moe_split,
         )
-        self.block_size = 0
+        self.block_size = cfg.dllm_block_size
 
     def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
-        if self.block_size < 1:
-            raise ConfigError("SDARForCausalLM.block_size is not set (config.json's block_size)")
         fb.attn_metadata = attn.block_causal_metadata(fb, self.block_size)
         return super().forward(fb, attn)

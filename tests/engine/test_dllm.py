@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,8 @@ from engine.dllm.algorithm import DLLM_ALGORITHMS, LowConfidence, create_dllm_al
 from engine.dllm.block import DllmBlock
 from engine.dllm.config import DllmConfig
 from engine.dllm.runner import DllmRunner
-from engine.errors import ConfigError
+from engine.engine import Engine
+from engine.errors import ConfigError, InvalidRequestError
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory import KVCache, ReqToTokenPool
 from engine.model_path import MODEL_NAMES, resolve_model_path
@@ -70,7 +72,11 @@ def make_runner(
     eos: frozenset[int] = frozenset(),
 ) -> DllmRunner:
     return DllmRunner(
-        model_runner, cache, config, create_dllm_algorithm("low_confidence", threshold), eos
+        cache,
+        config,
+        create_dllm_algorithm("low_confidence", threshold),
+        eos,
+        model_runner.max_context_len,
     )
 
 
@@ -186,6 +192,8 @@ def test_builtin_dllm_is_an_sdar_model_with_a_mask_token(model_runner, dllm_conf
     assert cfg.architecture == "SDARForCausalLM" and cfg.model_type == "sdar"
     assert dllm_config.block_size == 4 and dllm_config.mask_token_id == cfg.vocab_size - 1
     assert type(model_runner.model).__name__ == "SDARForCausalLM"
+    assert (cfg.dllm_block_size, cfg.dllm_mask_token_id) == (4, dllm_config.mask_token_id)
+    assert model_runner.model.block_size == 4 and not ModelConfig.from_dir("builtin").is_dllm
     with pytest.raises(ConfigError, match="block_size"):
         DllmConfig.from_hf({"mask_token_id": 3})
 
@@ -196,7 +204,6 @@ def test_model_block_causal_attention_matches_dense_masked_reference(
     """An extend over a cached prefix (a prompt, then a later forward starting inside a block
     computed before) under block-causal attention: every position's logits as the dense
     reference's over the whole sequence."""
-    model_runner.model.block_size = dllm_config.block_size
     ids = prompt_of(14, seed=3)
     req = make_req("a", ids, 4)
     cache.match_prefix(req)
@@ -330,7 +337,7 @@ def test_runner_matches_reference(model_runner, dllm_config, reference, cache, t
     runner = make_runner(model_runner, cache, dllm_config, threshold)
     lengths, max_new = [3, 4, 5, 7, 8, 9], 10
     reqs = [make_req(str(n), prompt_of(n, seed=n), max_new, ignore_eos=True) for n in lengths]
-    runner.generate(reqs)
+    runner.generate(model_runner, reqs)
     want = [
         reference.generate(r.origin_input_ids, max_new, threshold, dllm_config.mask_token_id)
         for r in reqs
@@ -351,7 +358,7 @@ def test_eos_inside_a_committed_block_ends_the_output(model_runner, dllm_config,
     want, _ = reference.generate(prompt, 12, 0.5, dllm_config.mask_token_id, eos)
     runner = make_runner(model_runner, cache, dllm_config, 0.5, eos)
     req = make_req("e", prompt, 12)
-    runner.generate([req])
+    runner.generate(model_runner, [req])
     assert req.output_ids == want and req.output_ids[-1] in eos and len(want) <= 6
     assert req.finished_reason.kind == "stop"
     runner.check_idle()
@@ -361,15 +368,15 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(model_runner, dllm_con
     runner = make_runner(model_runner, cache, dllm_config, 0.5)
     prompt = prompt_of(5, seed=4)
     alone = make_req("s", prompt, 9, temperature=0.8, seed=7, ignore_eos=True)
-    runner.generate([alone])
+    runner.generate(model_runner, [alone])
     batch = [
         make_req("x", prompt_of(3, seed=5), 6, temperature=1.0, seed=1, ignore_eos=True),
         make_req("s2", prompt, 9, temperature=0.8, seed=7, ignore_eos=True),
         make_req("y", prompt_of(10, seed=6), 13, ignore_eos=True),
     ]
-    runner.generate(batch)
+    runner.generate(model_runner, batch)
     other = make_req("o", prompt, 9, temperature=0.8, seed=8, ignore_eos=True)
-    runner.generate([other])
+    runner.generate(model_runner, [other])
     assert batch[1].output_ids == alone.output_ids
     assert other.output_ids != alone.output_ids
     runner.check_idle()
@@ -381,7 +388,7 @@ def test_prefix_cache_hits_whole_blocks_only(model_runner, dllm_config, referenc
     the cached path inside a block adds nothing that would pair its KV with others' tokens."""
     runner = make_runner(model_runner, cache, dllm_config, 0.5)
     first = make_req("a", prompt_of(9, seed=21), 11, ignore_eos=True)
-    runner.generate([first])
+    runner.generate(model_runner, [first])
     seq = first.origin_input_ids + first.output_ids  # 20 tokens; KV final for 0..15
     assert cache.cached_size() == 16
     # (shares 14 tokens: hits 12; shares 10: hits 8; shares all 16 cached)
@@ -394,7 +401,7 @@ def test_prefix_cache_hits_whole_blocks_only(model_runner, dllm_config, referenc
         runner.admit(req)
         assert len(req.prefix_indices) == hit
         while not req.finished():
-            runner.step([req])
+            runner.step(model_runner, [req])
         want, _ = reference.generate(prompt, 6, 0.5, dllm_config.mask_token_id)
         assert req.output_ids == want, rid
     runner.check_idle()
@@ -408,12 +415,244 @@ def test_abort_mid_block_and_failure_keep_the_idle_invariant(model_runner, dllm_
     waiting = make_req("w", prompt_of(6, seed=9), 5)
     runner.admit(waiting)  # admitted, never run
     for _ in range(6):  # past a commit: the committed block awaits its recomputation
-        runner.step(reqs)
+        runner.step(model_runner, reqs)
     assert all(r.output_ids and not r.finished() for r in reqs)
     runner.finish(reqs[0])  # aborted
     runner.release(reqs[1])  # failed
     runner.finish(waiting)
-    runner.step(reqs[2:])
+    runner.step(model_runner, reqs[2:])
     runner.finish(reqs[2])
     runner.check_idle()
     assert cache.cached_size() % 4 == 0
+
+
+# ---- through the Engine: scheduler, streaming, aborts, rejections ---------------------------------
+def make_engine(**kw) -> Engine:
+    return Engine(model_path=MODEL, max_total_tokens=1024, max_running_requests=16, **kw)
+
+
+def greedy(max_new: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new, temperature=0.0, **kw)
+
+
+@pytest.fixture(scope="module")
+def ref_memo(reference, dllm_config):
+    """The reference's greedy outputs, memoized (the float64 recompute is the slow part)."""
+    memo: dict = {}
+
+    def get(prompt: list[int], max_new: int, threshold: float, eos: frozenset[int] = frozenset()):
+        key = (tuple(prompt), max_new, threshold, eos)
+        if key not in memo:
+            memo[key] = reference.generate(
+                prompt, max_new, threshold, dllm_config.mask_token_id, eos
+            )[0]
+        return memo[key]
+
+    return get
+
+
+@pytest.mark.parametrize("threshold", [0.95, 0.5, 0.0])
+def test_engine_matches_reference(ref_memo, threshold):
+    """A batch of prompts at every offset in their blocks (B = 4), output truncated mid-block, one
+    DLLM_EXTEND batch per step and no other mode."""
+    eng = make_engine(dllm_threshold=threshold)
+    prompts = [prompt_of(n, seed=n) for n in (3, 4, 5, 7, 8, 9)]
+    outs = eng.generate(input_ids=prompts, sampling_params=greedy(10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [ref_memo(p, 10, threshold) for p in prompts]
+    assert all(o.finish_reason == "length" for o in outs)
+    modes = eng.stats().batches_by_mode
+    assert modes["DLLM_EXTEND"] == eng.scheduler.dllm.forwards > 0
+    assert sum(modes.values()) == modes["DLLM_EXTEND"]
+    assert eng.stats().generated_tokens == 60
+    eng.check_memory()
+
+
+def test_engine_requests_join_at_any_step_and_hit_whole_blocks(ref_memo):
+    """Requests submitted while others are mid-block run in the same DLLM_EXTEND batches; a
+    later prompt sharing a finished request's blocks hits them (whole blocks only) and still
+    gets the reference's output."""
+    eng = make_engine(dllm_threshold=0.5)
+    got: dict[str, list[int]] = {}
+
+    def sink(delta):
+        got.setdefault(delta.rid, []).extend(delta.token_ids)
+
+    prompts = {"a": prompt_of(6, seed=31), "b": prompt_of(9, seed=32), "c": prompt_of(4, seed=33)}
+    eng.submit(prompts["a"], greedy(11, ignore_eos=True), sink, rid="a")
+    eng.step()
+    eng.step()
+    eng.submit(prompts["b"], greedy(7, ignore_eos=True), sink, rid="b")
+    eng.step()
+    eng.submit(prompts["c"], greedy(9, ignore_eos=True), sink, rid="c")
+    while eng.has_pending():
+        eng.step()
+    for rid, n in (("a", 11), ("b", 7), ("c", 9)):
+        assert got[rid] == ref_memo(prompts[rid], n, 0.5), rid
+    eng.check_memory()
+    # Radix hits: "a" left 16 positions of final KV (its prompt and output up to its last block).
+    seq = prompts["a"] + got["a"]
+    for prompt, hit in ((seq[:14] + [7, 8, 9], 12), (seq[:10] + [5], 8), (seq[:18], 16)):
+        out = eng.generate(input_ids=prompt, sampling_params=greedy(6, ignore_eos=True))
+        assert out.cached_tokens == hit and out.token_ids == ref_memo(prompt, 6, 0.5)
+    # A request sharing a prompt with a running one hits it once the first has run its first forward.
+    twins = eng.generate(
+        input_ids=[prompt_of(13, seed=34)] * 2, sampling_params=greedy(5, ignore_eos=True)
+    )
+    assert twins[0].token_ids == twins[1].token_ids and twins[1].cached_tokens == 12
+    eng.check_memory()
+
+
+def test_engine_stop_tokens_and_strings_end_inside_a_committed_block(ref_memo):
+    eng = make_engine(dllm_threshold=0.5)
+    prompt = prompt_of(6, seed=11)
+    free = ref_memo(prompt, 12, 0.5)
+    out = eng.generate(input_ids=prompt, sampling_params=greedy(12, stop_token_ids=[free[5]]))
+    assert out.token_ids == ref_memo(prompt, 12, 0.5, frozenset({free[5]}))
+    assert out.finish_reason == "stop" and out.token_ids[-1] == free[5]
+    # A stop string: the text stops before it, and the streamed deltas add up to the final text.
+    whole = eng.generate(input_ids=prompt, sampling_params=greedy(12, ignore_eos=True))
+    text = whole.text
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 1) if text[i : i + 2].isprintable())
+    params = greedy(12, ignore_eos=True, stop=[stop])
+    out = eng.generate(input_ids=prompt, sampling_params=params)
+    assert out.finish_reason == "stop" and out.text == text[: text.index(stop)]
+    deltas = list(eng.stream(input_ids=prompt, sampling_params=params))
+    assert "".join(d.text for d in deltas) == out.text and deltas[-1].finish_reason == "stop"
+    eng.check_memory()
+
+
+def test_engine_streams_a_block_when_it_commits(ref_memo):
+    eng = make_engine(dllm_threshold=0.0)
+    prompt = prompt_of(5, seed=4)  # first block: 1 prompt token + 3 outputs; then blocks of 4
+    deltas = list(eng.stream(input_ids=prompt, sampling_params=greedy(10, ignore_eos=True)))
+    assert [len(d.token_ids) for d in deltas] == [3, 4, 3]
+    assert [t for d in deltas for t in d.token_ids] == ref_memo(prompt, 10, 0.0)
+    final = eng.generate(input_ids=prompt, sampling_params=greedy(10, ignore_eos=True))
+    assert "".join(d.text for d in deltas) == final.text
+    eng.check_memory()
+
+
+def test_engine_seeded_sampling_is_the_same_alone_and_in_a_batch():
+    eng = make_engine(dllm_threshold=0.5)
+    prompt = prompt_of(5, seed=4)
+    seeded = SamplingParams(max_new_tokens=9, temperature=0.8, seed=7, ignore_eos=True)
+    alone = eng.generate(input_ids=prompt, sampling_params=seeded)
+    batch = eng.generate(
+        input_ids=[prompt_of(3, seed=5), prompt, prompt_of(10, seed=6)],
+        sampling_params=[
+            SamplingParams(max_new_tokens=6, temperature=1.0, seed=1, ignore_eos=True),
+            seeded,
+            greedy(13, ignore_eos=True),
+        ],
+    )
+    other = eng.generate(input_ids=prompt, sampling_params=msgspec.structs.replace(seeded, seed=8))
+    assert batch[1].token_ids == alone.token_ids != other.token_ids
+    eng.check_memory()
+
+
+def test_engine_overlap_and_retraction_keep_the_outputs(ref_memo):
+    """Overlap scheduling runs DLLM batches synchronously; a pool too small for every request's
+    blocks retracts some (their KV cached, their block kept) and re-admits them later."""
+    prompts = [prompt_of(n, seed=40 + n) for n in (5, 6, 9, 10)]
+    want = [ref_memo(p, 14, 0.5) for p in prompts]
+    eng = make_engine(dllm_threshold=0.5, enable_overlap_schedule=True)
+    outs = eng.generate(input_ids=prompts, sampling_params=greedy(14, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    eng.check_memory()
+    small = Engine(
+        model_path=MODEL,
+        max_total_tokens=48,
+        max_running_requests=8,
+        dllm_threshold=0.5,
+        init_new_token_ratio=0.05,
+        min_new_token_ratio=0.05,
+    )  # (admission reserves little)
+    outs = small.generate(input_ids=prompts, sampling_params=greedy(14, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert small.stats().num_retracted > 0
+    small.check_memory()
+
+
+def test_engine_abort_mid_block_keeps_the_idle_invariant():
+    eng = make_engine(dllm_threshold=1.0)  # one position per forward
+    ends: dict[str, object] = {}
+
+    def sink(delta):
+        if delta.finish_reason is not None:
+            ends[delta.rid] = delta
+
+    for i in range(3):
+        eng.submit(prompt_of(5 + i, seed=i), greedy(20, ignore_eos=True), sink, rid=str(i))
+    for _ in range(6):  # past a commit: the committed block awaits its recomputation
+        eng.step()
+    eng.abort("0")
+    eng.step()
+    eng.submit(prompt_of(6, seed=9), greedy(5), sink, rid="w")
+    eng.abort("w")  # aborted before it ran
+    eng.step()
+    eng.abort("1")
+    while eng.has_pending():
+        eng.step()
+    assert ends["0"].finish_reason == "abort" and ends["0"].error_kind == "aborted"
+    assert ends["2"].finish_reason == "length" and ends["w"].finish_reason == "abort"
+    assert eng.stats().num_aborted == 3
+    eng.check_memory()
+    assert eng.scheduler.cache.cached_size() % 4 == 0
+
+
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        (dict(logprobs=True), "logprobs"),
+        (dict(prompt_logprobs=1), "prompt_logprobs"),
+        (dict(frequency_penalty=0.5), "frequency_penalty"),
+        (dict(repetition_penalty=1.2), "repetition_penalty"),
+        (dict(logit_bias={5: 1.0}), "logit_bias"),
+        (dict(min_tokens=2), "min_tokens"),
+        (dict(json_schema='{"type": "object"}'), "response_format"),
+        (dict(regex="[a-z]+"), "regex"),
+        (dict(max_new_tokens=1021), "max_tokens"),  # 3 + 1021 rounds up past the pool
+    ],
+)
+def test_engine_rejects_what_block_diffusion_does_not_do(params, param):
+    eng = make_engine()
+    with pytest.raises(InvalidRequestError) as e:
+        eng.generate(input_ids=[5, 6, 7], sampling_params=SamplingParams(**params))
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(enable_mixed_chunk=True),
+        dict(enable_split_prefill=True),
+        dict(chunked_prefill_size=64),
+        dict(speculative_algorithm="ngram"),
+        dict(disaggregation_mode="prefill"),
+    ],
+)
+def test_engine_refuses_what_block_diffusion_does_not_do(config):
+    with pytest.raises(ConfigError, match=next(iter(config))):
+        make_engine(**config)
+
+
+def test_engine_failed_forward_fails_its_requests_only(monkeypatch):
+    """A DLLM_EXTEND forward that raises fails its batch's requests (their KV released, nothing
+    cached); the next request runs."""
+    eng = make_engine(dllm_threshold=0.5)
+    forward = eng.model_runner.forward
+    calls = iter([True])
+
+    def flaky(fb):
+        if next(calls, False):
+            raise RuntimeError("device fault")
+        return forward(fb)
+
+    monkeypatch.setattr(eng.model_runner, "forward", flaky)
+    bad = eng.generate(
+        input_ids=[prompt_of(6, seed=1), prompt_of(9, seed=2)], sampling_params=greedy(8)
+    )
+    assert all(o.error_kind == "engine_error" and "device fault" in o.error for o in bad)
+    good = eng.generate(input_ids=prompt_of(6, seed=1), sampling_params=greedy(8, ignore_eos=True))
+    assert good.finish_reason == "length" and len(good.token_ids) == 8
+    eng.check_memory()

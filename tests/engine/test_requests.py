@@ -179,10 +179,12 @@ def test_forward_modes(stories):
     batch.forward_mode = ForwardMode.PREBUILT
     with pytest.raises(ValueError, match="PREBUILT batch has no forward"):
         __import__("engine").ForwardBatch.init_new(batch, s.device)
-    for mode in (ForwardMode.DLLM_EXTEND,):  # (SPLIT_PREFILL runs: tests/engine/test_split_prefill.py)
-        batch.forward_mode = mode
-        with pytest.raises(NotImplementedError, match=mode.name):
-            __import__("engine").ForwardBatch.init_new(batch, s.device)
+    # Every mode runs (SPLIT_PREFILL: tests/engine/test_split_prefill.py; DLLM_EXTEND: tests/engine/test_dllm.py).
+    from engine.forward_batch import SUPPORTED_MODES, require_supported
+
+    assert SUPPORTED_MODES == frozenset(ForwardMode)
+    for mode in ForwardMode:
+        require_supported(mode)
 
 
 def test_chat_template_and_builtin_model():
