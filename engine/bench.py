@@ -32,6 +32,8 @@ Cases (same machine, same weights, float32, greedy, ignore_eos):
   split       a stream decoding while 1,000- and 4,000-token prompts arrive: the stream's longest
               gap and p99 ITL, each prompt's TTFT and prefill tok/s, unsplit vs chunked (512) vs
               split prefill; the ITL distributions as a PNG (engine/bench_split.py).
+  dllm        the built-in block-diffusion model (blocks of 4): tokens per DLLM_EXTEND forward and
+              tok/s at batch 1 and 8 for LowConfidence thresholds 0.95, 0.5 and 0 (engine/bench_dllm.py).
 `--quick` shrinks every workload (a smoke run, not a measurement to quote).
 """
 
@@ -57,6 +59,7 @@ from engine.bench_common import (
     read_bandwidth,
     run_engine,
 )
+from engine.bench_dllm import case_dllm
 from engine.bench_quant import case_quant
 from engine.bench_split import case_split
 from engine.builtin_model import (
@@ -451,7 +454,8 @@ def case_roofline_bs1(path: str, scale: float) -> None:
 
 CASES = {"mixed": case_mixed, "prefill": case_prefill, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
          "overlap": case_overlap, "linear": case_linear, "spec": case_spec, "structured": case_structured,
-         "roofline_bs1": case_roofline_bs1, "quant": case_quant, "split": case_split}
+         "roofline_bs1": case_roofline_bs1, "quant": case_quant, "split": case_split,
+         "dllm": case_dllm}
 
 
 def main(argv: list[str] | None = None) -> None:
