@@ -28,6 +28,7 @@ from actors.protocol import (
     encode_batch,
 )
 from actors.stats import DPMemberStats, EngineActorStats
+from actors.tp_worker import TPGang
 from engine import Engine, EngineConfig, InvalidRequestError, StreamDelta
 from engine.cache_manager import KVEvent
 from engine.disaggregation import KVFetch, KVPoll, LocalKVChannel, submit_prefill
@@ -140,9 +141,11 @@ class EngineActor:
     """One engine per GPU (or per group of CPUs). Created by the cluster with ray.remote options."""
 
     def __init__(self, engine_config: dict, engine_id: int = 0, dp: dict | None = None,
-                 prefill_peers: dict | None = None) -> None:
+                 prefill_peers: dict | None = None, tp: dict | None = None) -> None:
         """dp: attention-DP membership (rank, size, coordinator, stall_timeout_s). prefill_peers:
-        a decode engine's prefill engines, {"names": [actor names], "namespace": ...}."""
+        a decode engine's prefill engines, {"names": [actor names], "namespace": ...}. tp: with
+        tp_size > 1, the other ranks' resources and bundles (actors.tp_worker.TPGang): this actor
+        is rank 0 and creates them."""
         log_to_stderr()
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex  # tells a restarted actor from the one it replaced
@@ -156,7 +159,12 @@ class EngineActor:
             self.kv_source = RayPrefillSource(config.disaggregation_transfer_backend,
                                               peers.get("namespace", "radixray"), peers.get("names", []),
                                               timeout_s=config.disaggregation_transfer_timeout_s)
-        self.engine = Engine(config, mlp_shard=shard, kv_source=self.kv_source)
+        self.tp_gang: TPGang | None = None
+        if config.tp_size > 1:
+            self.tp_gang = TPGang(config, tp, ray.get_runtime_context().get_actor_name() or "")
+            self.engine = self.tp_gang.start(mlp_shard=shard, kv_source=self.kv_source)
+        else:
+            self.engine = Engine(config, mlp_shard=shard, kv_source=self.kv_source)
         self._kv_links: PrefillLinks | None = None  # a prefill engine's p2p links (on first use)
         # Evicted radix paths, for the routers' cache-aware trees (each reads them by heartbeat()).
         self._evicted = EvictionLog()
@@ -181,6 +189,8 @@ class EngineActor:
         else:
             self.engine.on_fatal = self._die  # a dead loop takes the actor down: Ray restarts it
             self.engine.start_loop()
+        if self.tp_gang is not None:  # a lost rank takes the engine down too (and so the gang)
+            self.tp_gang.watch(self.engine, self._die)
 
     def leave_epoch(self, epoch: tuple[str, int]) -> None:
         """The coordinator abandoned `epoch` (a member restarted): a member of it restarts and
@@ -428,6 +438,10 @@ class EngineActor:
                                stalled_s=self.dp.stalled_for())
         return EngineActorStats(engine_id=self.engine_id, healthy=self.engine.dead is None,
                                 engine=self.engine.stats(), dp=dp, role=self.role)
+
+    def debug_tp_workers(self) -> list:
+        """The other ranks' actors (tests kill one)."""
+        return list(self.tp_gang.workers) if self.tp_gang is not None else []
 
     def ready(self) -> bool:
         """For waiters: False while the engine's DP group forms (expected: not an error);

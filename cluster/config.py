@@ -23,7 +23,7 @@ from engine.limits import RequestLimits
 from engine.model_path import MODEL_NAMES
 
 # EngineConfig fields the cluster sets for every engine itself (not per-engine overrides).
-ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads", "moe_split", "limits")
+ENGINE_OWN_FIELDS = ("model_path", "device", "torch_threads", "moe_split", "limits", "tp_size")
 
 
 class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, metaclass=RenamingMeta):
@@ -45,8 +45,12 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # The routing policy's fields, e.g. {"prefill_weight": 1.0, "load_weight": 0.1} for kv_events.
     routing_options: dict[str, float] = {}
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when the Ray cluster has GPUs
-    cpus_per_engine: float = 1.0  # CPUs of each engine's placement-group bundle (CPU engines)
-    torch_threads_per_engine: int | None = None  # default: cpus_per_engine rounded up
+    cpus_per_engine: float = 1.0  # CPUs of each engine (CPU engines), shared by its tensor-parallel ranks
+    torch_threads_per_engine: int | None = None  # torch threads of each engine rank; default: its CPU share rounded up
+    # Tensor parallelism (SGLang's name): each engine is this many ranks (Ray actors, one GPU or a
+    # 1/tp_size share of cpus_per_engine each) in a placement group of its own, restarted as a gang.
+    tp_size: int = 1
+    tp_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "STRICT_PACK"  # how one engine's ranks are placed (tp_size > 1)
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"  # how the engines' bundles are placed over the Ray nodes
     max_restarts: int = -1  # Ray restarts a dead engine actor (-1: forever)
     request_timeout_s: float = 600.0  # a request still running after this ends with a timeout error (HTTP 504)
@@ -89,6 +93,12 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ConfigError("stream_interval_s must be in [0, 1]")
         if self.cpus_per_engine <= 0:
             raise ConfigError("cpus_per_engine must be > 0")
+        if self.tp_size < 1:
+            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ConfigError(f"tp_placement_strategy {self.tp_placement_strategy!r} is not a Ray strategy")
+        if self.tp_size > 1 and self.enable_dp_attention:
+            raise ConfigError("tp_size > 1 with enable_dp_attention is not supported yet")
         if not self.dp_stall_timeout_s > 0:
             raise ConfigError(f"dp_stall_timeout_s must be > 0, got {self.dp_stall_timeout_s!r}")
         for key in ENGINE_OWN_FIELDS:
@@ -112,6 +122,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if "disaggregation_mode" in self.engine:
             raise ConfigError("set prefill_engines and decode_engines, not disaggregation_mode in engine overrides")
         msgspec.structs.force_setattr(self, "num_engines", pools)
+
+    @property
+    def cpus_per_rank(self) -> float:
+        """Each tensor-parallel rank's share of the engine's CPUs (its bundle on a CPU cluster)."""
+        return self.cpus_per_engine / self.tp_size
 
     @property
     def disaggregated(self) -> bool:
@@ -170,9 +185,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     def engine_config(self, device: str | None = None, role: str = "null") -> EngineConfig:
         """An engine's config; role: its disaggregation_mode (engine_role)."""
-        threads = self.torch_threads_per_engine or max(1, int(-(-self.cpus_per_engine // 1)))
+        threads = self.torch_threads_per_engine or max(1, int(-(-self.cpus_per_rank // 1)))
         own = {"model_path": self.model_path, "device": device or self.device, "torch_threads": threads,
-               "moe_split": self.moe_split, "limits": self.limits}
+               "moe_split": self.moe_split, "limits": self.limits, "tp_size": self.tp_size}
         if role != "null":
             own["disaggregation_mode"] = role
         return EngineConfig.from_kwargs(**{**self.engine, **own})

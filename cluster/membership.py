@@ -77,6 +77,7 @@ class OwnedEngines:
     as they start, so stop() also takes down what a failed start got to."""
 
     pg: Any = None
+    tp_pgs: list = field(default_factory=list)  # tp_size > 1: one placement group per engine
     actors: list = field(default_factory=list)
     coordinators: list = field(default_factory=list)
     device: str = "cpu"
@@ -86,9 +87,16 @@ class OwnedEngines:
         """Start cfg.num_engines engines; (actor, info, name) of each once all are ready."""
         use_gpu = cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) >= 1)
         self.device = "cuda" if use_gpu else "cpu"
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": cfg.cpus_per_engine}
-        self.pg = placement_group([bundle] * cfg.num_engines, strategy=cfg.placement_strategy)
-        ray.get(self.pg.ready(), timeout=120)
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": cfg.cpus_per_rank}
+        tp = None
+        if cfg.tp_size > 1:  # each engine a gang: its ranks' bundles in a group of their own
+            self.tp_pgs = [placement_group([bundle] * cfg.tp_size, strategy=cfg.tp_placement_strategy)
+                           for _ in range(cfg.num_engines)]
+            ray.get([pg.ready() for pg in self.tp_pgs], timeout=120)
+            tp = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), "bundles": list(range(1, cfg.tp_size))}
+        else:
+            self.pg = placement_group([bundle] * cfg.num_engines, strategy=cfg.placement_strategy)
+            ray.get(self.pg.ready(), timeout=120)
         roles = [cfg.engine_role(i) for i in range(cfg.num_engines)]
         engine_cfgs = {role: msgspec.structs.asdict(cfg.engine_config(self.device, role)) for role in set(roles)}
         actor_cls = ray.remote(EngineActor)
@@ -103,8 +111,9 @@ class OwnedEngines:
                 name=names[i], namespace=ACTOR_NAMESPACE, lifetime=None,
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=cfg.max_restarts,
                 max_task_retries=0, max_concurrency=10_000,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-            ).remote(engine_cfgs[roles[i]], i, dp[i], peers if roles[i] == "decode" else None))
+                scheduling_strategy=(PlacementGroupSchedulingStrategy(self.tp_pgs[i], placement_group_bundle_index=0)
+                                     if tp else PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)),
+            ).remote(engine_cfgs[roles[i]], i, dp[i], peers if roles[i] == "decode" else None, tp))
         infos = ray.get([a.info.remote() for a in self.actors], timeout=600)
         wait_ready(self.actors, timeout_s=600)  # attention-DP members: once their group formed
         return list(zip(self.actors, infos, names))
@@ -115,8 +124,9 @@ class OwnedEngines:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone
                 pass
-        if self.pg is not None:
-            remove_placement_group(self.pg)
+        for pg in [self.pg, *self.tp_pgs]:
+            if pg is not None:
+                remove_placement_group(pg)
 
 
 class FleetWatcher:

@@ -158,11 +158,18 @@ def _engine_bundle(cluster: Any) -> dict[str, float]:
     an app built with no Ray running, as `serve build` does, gets the CPU shape)."""
     gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
     use_gpu = cluster.device == "cuda" or (cluster.device == "auto" and gpus >= 1)
-    return {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": cluster.cpus_per_engine}
+    return {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": cluster.cpus_per_engine / cluster.tp_size}
 
 
 class EngineServer:
     """One engine of the fleet (see the module docstring). Deployed by engine_deployment()."""
+
+    @staticmethod
+    def _tp_ranks(cfg: Any, bundle: dict[str, float]) -> dict | None:
+        """tp_size > 1: the engine's other ranks, in the replica's bundles 1..N-1 (EngineActor's tp)."""
+        if cfg.tp_size == 1:
+            return None
+        return {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), "bundles": list(range(1, cfg.tp_size))}
 
     async def __init__(self, args: dict[str, Any], fleet: Any, prefill: Any = None) -> None:  # async: Serve awaits it
         """prefill: a decode engine's prefill deployment (bound so that Serve deploys it with this
@@ -201,7 +208,7 @@ class EngineServer:
             name=f"radixray-{ctx.app_name}-engine-{self.key}", namespace=ACTOR_NAMESPACE,
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0, max_task_retries=0,
             max_concurrency=10_000, scheduling_strategy=strategy,
-        ).remote(msgspec.structs.asdict(engine_config), self.engine_id, dp, peers)
+        ).remote(msgspec.structs.asdict(engine_config), self.engine_id, dp, peers, self._tp_ranks(cfg, bundle))
         info: EngineInfo = await self.engine.info.remote()
         deadline = time.monotonic() + 600
         # Attention-DP members are ready once their group has formed (until then ready() is
@@ -370,7 +377,7 @@ def engine_deployment(cluster: Any, options: FleetOptions, role: str = "null") -
     gang = gang_size(cluster)
     opts: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": 0},
-        "placement_group_bundles": [_engine_bundle(cluster)],
+        "placement_group_bundles": [_engine_bundle(cluster)] * cluster.tp_size,  # tp_size > 1: a rank each
         "max_ongoing_requests": 1000,
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 30.0,
@@ -383,6 +390,8 @@ def engine_deployment(cluster: Any, options: FleetOptions, role: str = "null") -
     }
     if gang > 1:
         opts["gang_scheduling_config"] = {"gang_size": gang}
+    if cluster.tp_size > 1:
+        opts["placement_group_strategy"] = cluster.tp_placement_strategy
     name, size, most, waiting = "EngineServer", cluster.num_engines, options.max_engines, {}
     if role == "prefill":  # a disaggregated fleet's pools, each a deployment on its own signals
         name, size, most = "PrefillServer", cluster.prefill_engines, options.max_prefill_engines

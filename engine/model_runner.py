@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 
 import torch
 
@@ -17,6 +18,17 @@ from engine.model_path import resolve_model_path
 from engine.models import build_model
 from engine.sampling import SampleResult, grammar_bitmask, sample_on_device
 from engine.speculative import VerifyResult, verify
+from engine.tp.batch import (
+    FORWARD,
+    SPLIT,
+    STOP,
+    ReqToTokenMirror,
+    TPStep,
+    encode_batch,
+    take_serving_group,
+)
+from engine.tp.comm import TPGroup
+from engine.tp.layout import TPLayout
 from kernels import cpu_kernels
 from kernels.cpu_linear import LinearKind, native_linear_works, onednn_linear_works
 
@@ -84,7 +96,13 @@ def plain_greedy(req) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str, mlp_shard: tuple[int, int] = (0, 1)) -> None:
+    """One rank's model, KV pool and backends. Under tensor parallelism (config.tp_size > 1) each
+    rank of the engine has one, built with its `tp_rank` and the engine's `tp_group` (rank 0's
+    from `engine.tp.batch.serving_group` when the Engine builds it): rank 0's `forward` sends
+    each batch to the other ranks before running it (`engine.tp.worker.TPWorker` runs it there)."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, mlp_shard: tuple[int, int] = (0, 1),
+                 tp_rank: int = 0, tp_group: TPGroup | None = None) -> None:
         self.config = config
         model_dir = resolve_model_path(model_dir)  # a folder, or a built-in model's name
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
@@ -92,20 +110,26 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, cfg, self.device)
         self.max_context_len = min(config.max_context_len or cfg.max_position_embeddings,
                                    cfg.max_position_embeddings)
+        self.tp_size, self.tp_rank = config.tp_size, tp_rank
+        self.tp_group = self._tp_group(tp_group, mlp_shard)
+        self.layout = TPLayout.from_config(cfg, tp_rank, self.tp_size)  # ConfigError before any weight is read
         # mlp_shard (rank, world): attention-DP splits every MLP over the group (an MoE model's
         # experts or intermediate dims, as config.moe_split says).
         self.linear_kind = resolve_linear(config.linear_backend, self.device, self.dtype)
         self.model = build_model(cfg, model_dir, self.dtype, self.device, self.max_context_len, mlp_shard,
                                  linear=self.linear_kind, moe_split=config.moe_split,
-                                 quantization=config.quantization)
-        per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                            cfg.head_dim, self.dtype)
+                                 quantization=config.quantization, tp=self.tp_group)
+        # This rank's KV heads (replicated ones included): the pool is sized per rank.
+        per_token = self.layout.kv_bytes_per_token(cfg.num_hidden_layers, self.dtype)
         self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)
+        if self.tp_size > 1:  # every rank must have every slot rank 0 hands out
+            counts = self.tp_group.all_gather(torch.tensor([self.max_total_tokens], device=self.device), dim=0)
+            self.max_total_tokens = int(counts.min())
         max_running = config.max_running_requests or min(256, max(8, self.max_total_tokens // 32))
         self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
         self.future_token_ids = torch.zeros(max_running + 1, dtype=torch.int64, device=self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
-        self.kv_cache = KVCache(self.max_total_tokens, cfg.num_hidden_layers, cfg.num_key_value_heads,
+        self.kv_cache = KVCache(self.max_total_tokens, cfg.num_hidden_layers, self.layout.num_kv_heads,
                                 cfg.head_dim, self.dtype, self.device)
         self.attn_backend = create_attention_backend(config.attention_backend, self.req_to_token_pool,
                                                      self.kv_cache, self.model.scale, self.device)
@@ -116,7 +140,9 @@ class ModelRunner:
         # same step can share the device (SGLang's PD multiplexing gives each its own SMs too).
         self.split_stream = torch.cuda.Stream(self.device) if cuda and config.enable_split_prefill else None
         self.graph_runner = None
-        if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1
+        # Graphs stay off under tensor parallelism: a gloo collective cannot be inside a CPU graph
+        # (torch.compile), and NCCL inside CUDA graphs is not wired here yet.
+        if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1 and self.tp_size == 1
                 and self.attn_backend.graph_safe):  # a backend that is not graph-safe runs eagerly
             from engine.cuda_graph import CudaGraphRunner
 
@@ -124,7 +150,8 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running), verify_width)
             if self.model.expert_tokens is not None:  # capture's warm-up forwards are no traffic
                 self.model.expert_tokens.zero_()
-        elif (not cuda and cpu_graphs_enabled(config, self.dtype) and mlp_shard[1] == 1 and self.attn_backend.cpu_graph_safe
+        elif (not cuda and cpu_graphs_enabled(config, self.dtype) and mlp_shard[1] == 1 and self.tp_size == 1
+              and self.attn_backend.cpu_graph_safe
               and self.model.cpu_graph_safe):  # (attention-DP's MLP collectives stay eager, as on CUDA)
             from engine.cpu_graph import CpuGraphRunner
 
@@ -144,6 +171,57 @@ class ModelRunner:
         if not cuda and self.dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load() is not None:
             self.greedy_ids = torch.zeros(max_running + 1, dtype=torch.int64)
             self.greedy_void = torch.zeros(max_running + 1, dtype=torch.int64)
+        # Rank 0 of several: what the other ranks' request -> token tables hold (TPStep's diff).
+        self._tp_lock = threading.Lock()
+        self.tp_mirror = (ReqToTokenMirror(self.req_to_token_pool.req_to_token)
+                          if self.tp_size > 1 and tp_rank == 0 else None)
+
+    def _tp_group(self, group: TPGroup | None, mlp_shard: tuple[int, int]) -> TPGroup:
+        """The engine's TPGroup (a single-rank one when tp_size is 1); ConfigErrors for what does
+        not compose with tensor parallelism yet."""
+        config = self.config
+        if config.tp_size == 1:
+            if group is not None and group.tp_size != 1:
+                raise ConfigError(f"a TPGroup of {group.tp_size} ranks was given for tp_size 1")
+            return TPGroup(0, 1)
+        if mlp_shard[1] > 1:
+            raise ConfigError("tp_size > 1 with attention-DP (enable_dp_attention) is not supported yet")
+        if config.speculative_algorithm == "draft_model":
+            raise ConfigError("tp_size > 1 with a draft model (speculative_algorithm='draft_model') is not supported yet")
+        if group is None and self.tp_rank == 0:
+            group = take_serving_group()
+        if group is None:
+            raise ConfigError("tp_size > 1 needs the engine's TPGroup (engine.tp: rank 0's Engine built "
+                              "inside serving_group(group), the other ranks' TPWorker)")
+        if (group.tp_rank, group.tp_size) != (self.tp_rank, config.tp_size):
+            raise ConfigError(f"TPGroup rank {group.tp_rank} of {group.tp_size} given for tp_rank "
+                              f"{self.tp_rank} of tp_size {config.tp_size}")
+        return group
+
+    def send_tp(self, fb: ForwardBatch, kind: int = FORWARD, split_end: int = 0) -> None:
+        """Rank 0: the batch (with the table entries the other ranks lack) to every other rank,
+        which run it too (engine/tp/worker.py). No-op on one rank."""
+        if self.tp_mirror is None:
+            return
+        if self.tp_group is None:
+            raise RuntimeError("the tensor-parallel group was closed")
+        table = self.tp_mirror.diff(fb) if kind == FORWARD or fb.split_index == 0 else None
+        msg = encode_batch(fb, kind, split_end, table) if table is not None else TPStep(kind=kind, split_end=split_end)
+        self.tp_group.broadcast_object(msg)
+
+    def close(self) -> None:
+        """Rank 0 of several: tell the other ranks to leave their loops, then shut the group down.
+        Idempotent; a group already broken is just dropped."""
+        if self.tp_size == 1 or self.tp_group is None:
+            return
+        with self._tp_lock:  # after a forward in flight (overlap) has run on every rank
+            group, self.tp_group = self.tp_group, None
+        try:
+            if self.tp_rank == 0:
+                group.broadcast_object(TPStep(kind=STOP))
+        except Exception:  # the other ranks are gone already
+            log.debug("TP stop message not delivered", exc_info=True)
+        group.destroy()
 
     def expert_token_counts(self) -> list[int]:
         """(token, expert) pairs this engine's experts computed, by expert; [] for a dense model.
@@ -190,6 +268,14 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """Logits [bs, vocab] at each request's last token; None for an IDLE batch."""
         fb.resolve_forward_inputs(self.device)
+        if self.tp_mirror is None:
+            return self.run_forward(fb)
+        with self._tp_lock:  # (close() may run on another thread)
+            self.send_tp(fb)
+            return self.run_forward(fb)
+
+    def run_forward(self, fb: ForwardBatch) -> torch.Tensor | None:
+        """`forward` without sending the batch to the other ranks (what they run it with)."""
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             logits = self.graph_runner.replay(fb)
             if logits is not None:  # None: a CPU graph that failed to compile; eager below
@@ -220,8 +306,17 @@ class ModelRunner:
         Logits after the last layer, else None."""
         if fb.split_index == 0:
             fb.resolve_forward_inputs(self.device)
-            fb.attn_metadata = self.attn_backend.init_forward_metadata(fb)
         end = min(fb.split_index + forward_count, self.model_config.num_hidden_layers)
+        if self.tp_mirror is None:
+            return self.run_split_prefill(fb, end)
+        with self._tp_lock:
+            self.send_tp(fb, SPLIT, end)
+            return self.run_split_prefill(fb, end)
+
+    def run_split_prefill(self, fb: ForwardBatch, end: int) -> torch.Tensor | None:
+        """Layers [fb.split_index, end) of a SPLIT_PREFILL batch, without sending it."""
+        if fb.split_index == 0:
+            fb.attn_metadata = self.attn_backend.init_forward_metadata(fb)
         return self.model.forward_split_prefill(fb, self.attn_backend, end)
 
     @torch.inference_mode()

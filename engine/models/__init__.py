@@ -20,6 +20,9 @@ from engine.gguf_model.folder import GGUF_LINK, read_index
 from engine.models.base import MODEL_REGISTRY, CausalLM, Weights, register_model
 from engine.models.layers import MoESplit
 from engine.quantized import convert_checkpoint
+from engine.tp.comm import TPGroup
+from engine.tp.loader import can_read_slices, read_rank_weights
+from engine.tp.sharding import shard_weights
 from kernels.cpu_linear import LinearKind
 from kernels.quant import QuantWeight, quantize_int4, quantize_int8
 
@@ -32,8 +35,8 @@ def _import_model_files() -> None:
 
 _import_model_files()
 
-__all__ = ["MODEL_REGISTRY", "CausalLM", "Weights", "build_model", "load_weights", "model_class",
-           "register_model"]
+__all__ = ["MODEL_REGISTRY", "CausalLM", "Weights", "build_model", "load_rank_weights", "load_weights",
+           "model_class", "register_model"]
 
 
 def model_class(architecture: str) -> type[CausalLM]:
@@ -47,11 +50,26 @@ def model_class(architecture: str) -> type[CausalLM]:
 
 def build_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device,
                 max_positions: int, mlp_shard: tuple[int, int] = (0, 1), linear: LinearKind = "torch",
-                moe_split: MoESplit = "experts", quantization: Quantization = "auto") -> CausalLM:
-    """The model for `cfg.architecture` with the checkpoint weights in `model_dir`."""
+                moe_split: MoESplit = "experts", quantization: Quantization = "auto",
+                tp: TPGroup | None = None) -> CausalLM:
+    """The model for `cfg.architecture` with the checkpoint weights in `model_dir`; with a `tp`
+    group of several ranks, this rank's shards of them (`load_rank_weights`)."""
     cls = model_class(cfg.architecture)  # before reading what may be gigabytes of weights
-    return cls(cfg, load_weights(model_dir, quantization), dtype, device, max_positions, mlp_shard, linear,
-               moe_split=moe_split)
+    if tp is None or tp.tp_size == 1:
+        return cls(cfg, load_weights(model_dir, quantization), dtype, device, max_positions, mlp_shard, linear,
+                   moe_split=moe_split)
+    weights = load_rank_weights(model_dir, cfg, tp.tp_rank, tp.tp_size, quantization)
+    return cls(cfg, weights, dtype, device, max_positions, mlp_shard, linear, moe_split=moe_split, tp=tp)
+
+
+def load_rank_weights(model_dir: str, cfg: ModelConfig, tp_rank: int, tp_size: int,
+                      quantization: Quantization = "auto") -> dict[str, torch.Tensor | QuantWeight]:
+    """Rank `tp_rank` of `tp_size`'s shards of the checkpoint: only its slices read from a float
+    safetensors checkpoint (ranks on one host hold about one copy of the model between them while
+    loading), else the whole checkpoint loaded (converted, quantized) and then sharded."""
+    if quantization in ("auto", "none") and can_read_slices(model_dir):
+        return read_rank_weights(model_dir, cfg, tp_rank, tp_size)
+    return shard_weights(load_weights(model_dir, quantization), cfg, tp_rank, tp_size)
 
 
 def is_projection(name: str) -> bool:

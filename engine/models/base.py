@@ -10,6 +10,8 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.models.layers import MoESplit
+from engine.tp.comm import TPGroup
+from engine.tp.layout import TPLayout
 from kernels.cpu_linear import LinearKind
 from kernels.quant import QuantWeight
 
@@ -54,6 +56,11 @@ class CausalLM:
       (as `forward` returns them) after the last layer, else None. The same arithmetic as
       `forward`, layer for layer, so a split prefill computes the same tokens. A model without it
       leaves `supports_split_prefill` False (its prefills are never split).
+    - `tp`: the engine's tensor-parallel group (`engine.tp.TPGroup`; a single-rank group when the
+      engine is one rank) and `layout` this rank's `engine.tp.TPLayout`. Under tensor
+      parallelism `weights` are this rank's shards (`engine.tp.shard_weights`): the model runs
+      its layout's heads, all-reduces after each row-parallel part (the o-projection, the whole
+      MLP) and all-gathers the vocabulary-parallel logits, so every rank returns the same logits.
     - `scale`: the softmax scale the attention backend applies.
     - `mlp_comm`: None, or set by attention-DP after construction. Every layer then runs its MLP
       through `MLP.split_forward(x, mlp_comm)`: a split MLP passes its input through
@@ -77,9 +84,14 @@ class CausalLM:
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
-                 linear: LinearKind = "torch", moe_split: MoESplit = "experts") -> None:
+                 linear: LinearKind = "torch", moe_split: MoESplit = "experts", tp: TPGroup | None = None) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.moe_split = moe_split
+        self.tp = tp if tp is not None else TPGroup(0, 1)
+        self.layout = TPLayout.from_config(cfg, self.tp.tp_rank, self.tp.tp_size)
+        # The group the row-parallel outputs are reduced over; None on one rank (no call at all,
+        # so a single rank's forward, CPU decode graphs included, is unchanged).
+        self.tp_reduce = self.tp if self.tp.tp_size > 1 else None
         self.scale = cfg.head_dim ** -0.5
         self.mlp_comm = None
 
@@ -107,7 +119,9 @@ def _tensor_bytes(obj: object, seen: set[int], visited: set[int]) -> int:
             return 0
         seen.add(ptr)
         return obj.untyped_storage().nbytes()
-    if id(obj) in visited or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)):
+    # (a TPGroup's buffers are communication, not weights)
+    if id(obj) in visited or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.device, torch.dtype,
+                                              TPGroup)):
         return 0
     visited.add(id(obj))
     if isinstance(obj, dict):

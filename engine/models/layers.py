@@ -157,6 +157,12 @@ class GroupComm(Protocol):
     def exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor: ...
 
 
+class TPReduce(Protocol):
+    """Tensor parallelism's reduction as the layers use it (engine.tp.TPGroup)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class MLP(Protocol):
     """A layer's MLP slot: [T, H] -> [T, H] over the rows it is given. Under attention-DP the layer
     calls `split_forward` instead: this member's rows in, their outputs out, with whatever
@@ -371,12 +377,20 @@ class DecoderLayer:
         return self.attn.split(qkv_buf)
 
     def attn_out_and_mlp(self, residual: torch.Tensor, o: torch.Tensor,
-                         mlp_comm: GroupComm | None = None) -> None:
+                         mlp_comm: GroupComm | None = None, tp: TPReduce | None = None) -> None:
         """o-projection, post-attention norm and MLP, added into `residual` (rows of it) in place;
-        with `mlp_comm` (attention-DP) the MLP runs split over the group (`MLP.split_forward`)."""
-        residual.add_(self.attn.o_proj(o))
+        with `mlp_comm` (attention-DP) the MLP runs split over the group (`MLP.split_forward`);
+        with `tp` (tensor parallelism) the o-projection's and the MLP's partial sums are
+        all-reduced over the ranks (row-parallel)."""
+        a = self.attn.o_proj(o)
+        if tp is not None:
+            tp.all_reduce(a)
+        residual.add_(a)
         x = rms_norm(residual, self.post_norm, self.eps)
-        residual.add_(self.mlp(x) if mlp_comm is None else self.mlp.split_forward(x, mlp_comm))
+        y = self.mlp(x) if mlp_comm is None else self.mlp.split_forward(x, mlp_comm)
+        if tp is not None:
+            tp.all_reduce(y)
+        residual.add_(y)
 
     def numel(self) -> int:
         return self.input_norm.numel() + self.post_norm.numel() + self.attn.numel() + self.mlp.numel()

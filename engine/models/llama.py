@@ -22,24 +22,29 @@ from engine.models.layers import (
     rms_norm,
     row_blocks,
 )
+from engine.tp.comm import TPGroup
+from engine.tp.ops import vocab_parallel_embedding, vocab_parallel_logits
 from kernels import cpu_kernels
 from kernels.cpu_linear import LinearKind
+from kernels.quant import QuantWeight
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 class LlamaForCausalLM(CausalLM):
     """Embedding, pre-norm decoder layers, final norm, lm_head. A model that differs only in its
-    MLP (MoE) subclasses this and overrides `make_mlp`."""
+    MLP (MoE) subclasses this and overrides `make_mlp`. Under tensor parallelism (`tp`) the
+    weights are this rank's shards: its query and KV heads, a slice of every MLP's intermediate
+    dim, its rows of the padded vocabulary (see CausalLM)."""
 
     cpu_graph_safe = True
     supports_split_prefill = True
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
-                 linear: LinearKind = "torch", moe_split: MoESplit = "experts") -> None:
-        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, linear, moe_split)
+                 linear: LinearKind = "torch", moe_split: MoESplit = "experts", tp: TPGroup | None = None) -> None:
+        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, linear, moe_split, tp)
         w = Weights(weights, dtype, device)
-        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.q_size = self.layout.q_size
         self.embed = w.linear("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
         self.tied = cfg.tie_word_embeddings or "lm_head.weight" not in w
@@ -59,7 +64,7 @@ class LlamaForCausalLM(CausalLM):
         o = make_linear(w.linear(p + "self_attn.o_proj.weight"), kind=linear)
         q_norm, k_norm = ((w(p + "self_attn.q_norm.weight"), w(p + "self_attn.k_norm.weight"))
                           if cfg.qk_norm else (None, None))
-        return Attention(qkv, o, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        return Attention(qkv, o, self.layout.num_heads, self.layout.num_kv_heads, cfg.head_dim,
                          cfg.rms_norm_eps, q_norm, k_norm)
 
     def make_mlp(self, w: Weights, p: str, mlp_shard: tuple[int, int], linear: LinearKind) -> MLP:
@@ -75,7 +80,7 @@ class LlamaForCausalLM(CausalLM):
         """Hidden states of the tokens at fb.last_token_indices -> logits [bs, vocab]."""
         if getattr(attn, "fused_rope_decode", False) and (fb.forward_mode.is_decode() or fb.forward_mode.is_idle()):
             return self.forward_decode(fb, attn)
-        residual = embed_tokens(fb.input_ids, self.embed, self.dtype)  # a fresh tensor: updated in place below
+        residual = self.embed_rows(fb.input_ids)  # a fresh tensor: updated in place below
         self.run_layers(fb, attn, residual, 0, len(self.layers))
         return self.logits(fb, residual)
 
@@ -83,7 +88,7 @@ class LlamaForCausalLM(CausalLM):
         """Layers [fb.split_index, end) of a SPLIT_PREFILL batch; the residual stream is the
         hidden state carried in fb.hidden_states. Logits after the last layer, else None."""
         if fb.split_index == 0:
-            fb.hidden_states = embed_tokens(fb.input_ids, self.embed, self.dtype)
+            fb.hidden_states = self.embed_rows(fb.input_ids)
         self.run_layers(fb, attn, fb.hidden_states, fb.split_index, end)
         fb.split_index = end
         if end < len(self.layers):
@@ -107,12 +112,27 @@ class LlamaForCausalLM(CausalLM):
             q, k, v = layer.attn_inputs(residual, cos, sin, blocks, qkv_buf)
             o = attn.forward(q, k, v, i, fb).reshape(T, self.q_size)
             for blk in tail_blocks:
-                layer.attn_out_and_mlp(residual[blk], o[blk], self.mlp_comm)
+                layer.attn_out_and_mlp(residual[blk], o[blk], self.mlp_comm, self.tp_reduce)
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `ids` (a fresh tensor); under TP the vocabulary-parallel lookup."""
+        if self.tp_reduce is None:
+            return embed_tokens(ids, self.embed, self.dtype)
+        dtype = self.dtype if isinstance(self.embed, QuantWeight) else None
+        return vocab_parallel_embedding(ids, self.embed, self.layout, self.tp, dtype)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over normed hidden states; under TP every rank's vocabulary shard gathered
+        (each rank gets the whole logits; padding masked and cut off)."""
+        logits = self.lm_head(h)
+        if self.tp_reduce is None:
+            return logits
+        return vocab_parallel_logits(logits, self.layout, self.tp).contiguous()
 
     def logits(self, fb: ForwardBatch, residual: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head at fb.last_token_indices."""
         h = rms_norm(residual[fb.last_token_indices], self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(h)
+        return self.head(h)
 
     def forward_decode(self, fb: ForwardBatch, attn) -> torch.Tensor:
         """A DECODE (or IDLE) batch through the CPU kernels: one token per request, so every row is
@@ -121,14 +141,19 @@ class LlamaForCausalLM(CausalLM):
         calls where the general path makes about twenty-five. This is what a CPU decode graph
         (engine/cpu_graph.py) compiles."""
         eps = self.cfg.rms_norm_eps
-        residual = embed_tokens(fb.input_ids, self.embed, self.dtype)  # a fresh tensor: updated in place below
+        residual = self.embed_rows(fb.input_ids)  # a fresh tensor: updated in place below
         T = residual.shape[0]
         x = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
         cos, sin = self.rope.cos, self.rope.sin_signed
         for i, layer in enumerate(self.layers):
             o = attn.forward_decode_rope(layer.attn.unroped_qkv(x), cos, sin, i, fb)
-            x = cpu_kernels.add_rms_norm(layer.attn.o_proj(o.view(T, self.q_size)), residual, layer.post_norm, eps)
+            a = layer.attn.o_proj(o.view(T, self.q_size))
+            if self.tp_reduce is not None:  # row-parallel: the ranks' partial sums
+                self.tp_reduce.all_reduce(a)
+            x = cpu_kernels.add_rms_norm(a, residual, layer.post_norm, eps)
             y = layer.mlp(x) if self.mlp_comm is None else layer.mlp.split_forward(x, self.mlp_comm)
+            if self.tp_reduce is not None:  # one reduction for the whole MLP (experts and shared expert too)
+                self.tp_reduce.all_reduce(y)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = cpu_kernels.add_rms_norm(y, residual, after, eps)
-        return self.lm_head(x)
+        return self.head(x)

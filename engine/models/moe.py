@@ -13,13 +13,17 @@ from engine.errors import ConfigError
 from engine.models.base import Weights
 from engine.models.layers import MLP, GatedMLP, MoEMLP, MoESplit, shard_range
 from engine.models.llama import LlamaForCausalLM
+from engine.tp.comm import TPGroup
 from kernels.cpu_linear import LinearKind
 
 
 class SparseMoeCausalLM(LlamaForCausalLM):
     """Router at `{layer}{moe_prefix}gate.weight`, expert e's projections at
     `{layer}{moe_prefix}experts.{e}.{name}.weight` with `expert_names` = (gate, up, down): the
-    per-expert layout of the published checkpoints (transformers writes it too)."""
+    per-expert layout of the published checkpoints (transformers writes it too). Under tensor
+    parallelism each rank holds a slice of every expert's (and the shared expert's)
+    intermediate dim (`engine.tp.sharding`): the experts are built from those slices as from
+    whole weights, and the layer's one all-reduce sums routed and shared parts at once."""
 
     cpu_graph_safe = False  # expert grouping reads routing counts on the host
     moe_prefix = "mlp."
@@ -27,12 +31,12 @@ class SparseMoeCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
-                 linear: LinearKind = "torch", moe_split: MoESplit = "experts") -> None:
+                 linear: LinearKind = "torch", moe_split: MoESplit = "experts", tp: TPGroup | None = None) -> None:
         if cfg.num_experts < 1:
             raise ConfigError(f"{cfg.architecture} needs num_experts >= 1 in config.json")
         # Before the layers are built (LlamaForCausalLM.__init__ calls make_mlp): they share it.
         self.expert_tokens = torch.zeros(cfg.num_experts, dtype=torch.int64, device=device)
-        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, linear, moe_split)
+        super().__init__(cfg, weights, dtype, device, max_positions, mlp_shard, linear, moe_split, tp)
 
     def renormalize(self) -> bool:
         """Whether the top-k routing weights are divided by their sum."""

@@ -60,6 +60,7 @@ class TPGroup:
         store: dist.Store | None = None,
         timeout_s: float = 30.0,
         object_buffer_bytes: int = 16 << 10,
+        object_timeout_s: float | None = None,
     ) -> None:
         if tp_size < 1 or not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
@@ -84,9 +85,12 @@ class TPGroup:
             store if store is not None else make_store(init_method, tp_rank, tp_size, timeout_s)
         )
         timeout = timedelta(seconds=timeout_s)
+        # The object group may wait longer (`object_timeout_s`): a rank other than 0 waits there
+        # for the next step however long the engine stays idle.
+        object_timeout = timedelta(seconds=object_timeout_s or timeout_s)
         # Prefixed: the two groups (and any other user of the store) must not share keys.
         self.cpu_pg = dist.ProcessGroupGloo(
-            dist.PrefixStore("radixray-tp/cpu/", self._store), tp_rank, tp_size, timeout
+            dist.PrefixStore("radixray-tp/cpu/", self._store), tp_rank, tp_size, object_timeout
         )
         dev_store = dist.PrefixStore("radixray-tp/dev/", self._store)
         if self.device.type == "cuda":
