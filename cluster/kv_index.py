@@ -4,7 +4,13 @@ the prompts of the requests each engine has queued or running, whichever front e
 
 Each engine numbers its events (per actor instance). The index applies them in order; a gap (an
 event lost, an engine restarted) marks the engine stale until a snapshot of its cache resyncs
-it. A stale engine matches nothing, so routing falls back to load for it meanwhile."""
+it. A stale engine matches nothing, so routing falls back to load for it meanwhile.
+
+With the hierarchical cache (engine/hicache) events name their tier (`KVEvent.medium`): per
+engine the index keeps what its KV pool holds ("device") and what its host tier holds ("host": a
+load away), and, once for every engine, what the shared storage tier holds ("storage": any
+engine that reaches it loads those pages; never removed by events, so that view is bounded and
+forgotten when full: a forgotten prefix only looks like a recompute to the router)."""
 
 from __future__ import annotations
 
@@ -130,12 +136,13 @@ class InFlightPrompts:
 
 
 class _EngineView:
-    __slots__ = ("incarnation", "next_seq", "paths", "queued", "stale")
+    __slots__ = ("host", "incarnation", "next_seq", "paths", "queued", "stale")
 
     def __init__(self) -> None:
         self.incarnation: str | None = None
         self.next_seq = 1
-        self.paths = CachedPaths()
+        self.paths = CachedPaths()  # the device pool
+        self.host = CachedPaths()  # the host tier (a path's head may be on the device only)
         self.queued = InFlightPrompts()  # every front end's requests there ("queued", not "done")
         self.stale = True  # nothing known until the first event from seq 1 or a snapshot
 
@@ -144,14 +151,18 @@ class KVIndexStats(msgspec.Struct, kw_only=True):
     events_applied: list[int]  # per engine
     resyncs: list[int]  # snapshots applied per engine (after a gap, a restart or at start)
     cached_tokens: list[int]  # what the index believes each engine holds
+    host_tokens: list[int] = []  # ... in its host tier
+    storage_tokens: int = 0  # what the shared storage tier holds, by the index
 
 
 class KVIndex:
     """Every engine's cached paths, kept exact by its event stream, plus the prompts in flight
     on it (routed, not finished)."""
 
-    def __init__(self, num_engines: int) -> None:
+    def __init__(self, num_engines: int, storage_capacity: int = 1 << 20) -> None:
         self.views = [_EngineView() for _ in range(num_engines)]
+        self.storage = CachedPaths()  # the storage tier every engine shares
+        self.storage_capacity = storage_capacity  # tokens; past it the storage view starts over
         self.in_flight = [InFlightPrompts() for _ in range(num_engines)]
         self.events_applied = [0] * num_engines
         self.resyncs = [0] * num_engines
@@ -181,9 +192,11 @@ class KVIndex:
                 view.stale = True
                 return False
             if event.kind == "stored":
-                view.paths.insert(event.token_ids)
+                self._tier(view, event.medium).insert(event.token_ids)
+                if self.storage.size > self.storage_capacity:
+                    self.storage = CachedPaths()
             elif event.kind == "removed":
-                view.paths.remove(event.token_ids, event.start)
+                self._tier(view, event.medium).remove(event.token_ids, event.start)
             elif event.kind == "queued":
                 view.queued.add(event.token_ids)
             else:
@@ -192,12 +205,20 @@ class KVIndex:
             self.events_applied[engine] += 1
         return True
 
+    def _tier(self, view: _EngineView, medium: str) -> CachedPaths:
+        if medium == "host":
+            return view.host
+        return self.storage if medium == "storage" else view.paths
+
     def reset(self, engine: int, snapshot: KVSnapshot) -> None:
-        """Replace the engine's view by a snapshot; events after `snapshot.seq` apply on top."""
+        """Replace the engine's view by a snapshot; events after `snapshot.seq` apply on top. A
+        snapshot's `host_paths` (if it has them) are its host tier's."""
         view = _EngineView()
         view.incarnation, view.next_seq, view.stale = snapshot.incarnation, snapshot.seq + 1, False
         for path in snapshot.paths:
             view.paths.insert(path)
+        for path in getattr(snapshot, "host_paths", ()):
+            view.host.insert(path)
         for prompt in snapshot.queued:
             view.queued.add(prompt)
         self.views[engine] = view
@@ -220,6 +241,15 @@ class KVIndex:
         queued = 0 if view.stale else view.queued.match(tokens)
         return max(self.match(engine, tokens), queued, self.in_flight[engine].match(tokens))
 
+    def match_tiers(self, engine: int, tokens: list[int]) -> tuple[int, int, int]:
+        """Leading tokens of `tokens` the engine has (device, held or computing for a request in
+        flight: `match_with_in_flight`), has within a load from its host tier, and could load from
+        the shared storage tier; each at least the one before (0, 0, storage while stale)."""
+        view = self.views[engine]
+        device = self.match_with_in_flight(engine, tokens)
+        host = device if view.stale else max(device, view.host.match(tokens))
+        return device, host, max(host, self.storage.match(tokens))
+
     def cached_tokens(self, engine: int) -> int:
         """Tokens the engine's cache holds, by the index (a stale view's last known size)."""
         return self.views[engine].paths.size
@@ -231,4 +261,5 @@ class KVIndex:
 
     def stats(self) -> KVIndexStats:
         return KVIndexStats(events_applied=list(self.events_applied), resyncs=list(self.resyncs),
-                            cached_tokens=[v.paths.size for v in self.views])
+                            cached_tokens=[v.paths.size for v in self.views],
+                            host_tokens=[v.host.size for v in self.views], storage_tokens=self.storage.size)

@@ -3,9 +3,11 @@
 `kv_events` routes on what each engine's cache holds and what its queued requests will store,
 exactly (cluster/kv_index.py, fed by the engines' KV events, the same for every front end): each
 engine costs prefill_weight x the prompt tokens it would compute plus load_weight x the tokens
-in flight on it (Dynamo's KV router cost) plus evict_weight x those new tokens x how much fuller
-its KV is than the emptiest candidate's (what they would push out of a full engine that an
-emptier one keeps), and the cheapest wins.
+in flight on it (Dynamo's KV router cost) plus evict_weight x the tokens new to its pool x how
+much fuller its KV is than the emptiest candidate's (what they would push out of a full engine
+that an emptier one keeps), and the cheapest wins. With the hierarchical cache, prompt tokens in
+an engine's host tier cost host_hit_weight each and those in the shared storage tier (any engine
+can load them) storage_hit_weight: between a pool hit (0) and a recompute (prefill_weight).
 `cache_aware` keeps, per engine, an approximate radix tree of the prompts it was sent (token
 level), trimmed LRU to the engine's KV capacity and corrected by the engines' eviction events;
 a request goes to the engine with the longest match unless the load is imbalanced beyond a
@@ -29,6 +31,7 @@ from typing import Literal, Protocol, get_args
 import msgspec
 
 from cluster.kv_index import KVIndex, KVIndexStats
+from engine.errors import ConfigError
 from engine.token_trie import descend
 
 RoutingName = Literal["round_robin", "least_load", "cache_aware", "kv_events"]
@@ -203,21 +206,33 @@ class KVEvents:
     that this router's own count misses) + evict_weight x uncached tokens x the engine's KV use
     above the emptiest candidate's (Router.kv_pressure: zero when every engine is as full, so it
     spreads new prefixes without changing the balance of cache and load among full engines).
+    Prompt tokens past the pool's match cost host_hit_weight each where the engine's host tier
+    holds them and storage_hit_weight where the shared storage tier does (a copy instead of a
+    forward; the pool slots they take still count for eviction), prefill_weight beyond.
     Equal costs go to the engine holding the least KV."""
 
     prefill_weight: float = 1.0
     load_weight: float = 0.1
     evict_weight: float = 1.0
+    host_hit_weight: float = 0.1  # per prompt token loaded from the engine's host tier
+    storage_hit_weight: float = 0.3  # per prompt token loaded from the shared storage tier
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.host_hit_weight <= self.storage_hit_weight <= self.prefill_weight:
+            raise ConfigError("need 0 <= host_hit_weight <= storage_hit_weight <= prefill_weight")
 
     def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
         index = router.kv_index
         pressure = router.kv_pressure(candidates)
+        n = len(input_ids)
 
         def cost(i: int) -> tuple[float, int, int, int]:
-            uncached = len(input_ids) - index.match_with_in_flight(i, input_ids)
+            device, host, storage = index.match_tiers(i, input_ids)
             load = router.loads[i]
             tokens = max(load.tokens, index.queued_tokens(i))
-            c = (self.prefill_weight + self.evict_weight * pressure[i]) * uncached + self.load_weight * tokens
+            c = (self.prefill_weight * (n - storage) + self.host_hit_weight * (host - device)
+                 + self.storage_hit_weight * (storage - host) + self.evict_weight * pressure[i] * (n - device)
+                 + self.load_weight * tokens)
             return c, router.cached_tokens(i), load.requests, i
 
         return min(candidates, key=cost)
@@ -334,8 +349,8 @@ class Router:
         if not candidates:
             return None
         choice = self._policy(pool).choose(self, input_ids, candidates)
-        if self.exact:
-            matched = self.kv_index.match_with_in_flight(choice, input_ids)
+        if self.exact:  # held in any tier: loaded, not computed
+            matched = self.kv_index.match_tiers(choice, input_ids)[2]
             self.kv_index.in_flight[choice].add(input_ids)
         else:
             matched = self.trees[choice].match(input_ids)

@@ -170,6 +170,45 @@ class ServerMetrics:
                     "CPU time (user + system, every thread) of this front-end process since it started serving.")
         page.sample("radixray_frontend_cpu_seconds_total", process_cpu_s() - self.cpu_start)
 
+    @staticmethod
+    def _hicache(page: Page, engines: list) -> None:
+        """The hierarchical cache's figures, per engine and tier (written when an engine has one)."""
+        tiered = [e for e in engines if e.engine.hicache is not None]
+        if not tiered:
+            return
+        per_tier = {
+            "radixray_engine_hicache_hit_tokens_total": ("Prompt tokens admitted from the tier (device: the KV pool, "
+                                                         "host, storage); they add up to cached_tokens.", "hit_tokens"),
+            "radixray_engine_hicache_load_bytes_total": ("Bytes of KV loaded from the tier into the one above it.",
+                                                         "load_bytes"),
+            "radixray_engine_hicache_write_bytes_total": ("Bytes of KV written from the tier into the one below it.",
+                                                          "write_bytes"),
+            "radixray_engine_hicache_load_seconds_total": ("Seconds spent loading KV from the tier.", "load_seconds"),
+            "radixray_engine_hicache_loads_total": ("Loads from the tier (each one batched copy).", "loads"),
+        }
+        for name, (help_text, field) in per_tier.items():
+            page.family(name, "counter", help_text)
+            for eng in tiered:
+                h = eng.engine.hicache
+                for tier in ("device", "host", "storage"):
+                    page.sample(name, getattr(getattr(h, tier), field), {"engine": eng.engine_id, "tier": tier})
+        gauges = {
+            "radixray_engine_hicache_host_used_tokens": ("Tokens of KV the host tier holds.", "host_used_tokens"),
+            "radixray_engine_hicache_host_total_tokens": ("The host tier's capacity in tokens.", "host_total_tokens"),
+        }
+        for name, (help_text, field) in gauges.items():
+            page.family(name, "gauge", help_text)
+            for eng in tiered:
+                page.sample(name, getattr(eng.engine.hicache, field), {"engine": eng.engine_id})
+        name = "radixray_engine_hicache_storage_pages_total"
+        page.family(name, "counter", "Storage tier pages this engine wrote, read, found corrupt (a miss) or failed "
+                    "to write.")
+        for eng in tiered:
+            h = eng.engine.hicache
+            for op, n in (("written", h.storage_pages_written), ("read", h.storage_pages_read),
+                          ("corrupt", h.storage_pages_corrupt), ("write_error", h.storage_write_errors)):
+                page.sample(name, n, {"engine": eng.engine_id, "op": op})
+
     def render(self, cluster_stats: ClusterStats, fleet: FleetEvents | None = None, refreshes: int = 0) -> str:
         """The page: this replica's counters, then the engines' and the fleet's figures as this
         replica last fetched them (`refreshes`: how many fetches it has made)."""
@@ -248,6 +287,7 @@ class ServerMetrics:
         for eng in engines:
             for expert, n in enumerate(eng.engine.expert_tokens):
                 page.sample(name, n, {"engine": eng.engine_id, "expert": expert})
+        self._hicache(page, engines)
         actual = sum(e.engine.cached_tokens for e in engines) / max(sum(e.engine.prompt_tokens for e in engines), 1)
         page.family("radixray_prefix_hit_rate", "gauge",
                     "Prompt tokens the engines served from their caches / prompt tokens, since they started.")

@@ -9,7 +9,8 @@ as `KVEvent`s to subscribers (the actor forwards evictions to the cache-aware ro
 With a `HiCacheConfig` the tree's eviction policy is `radix_eviction_policy`, and with
 `enable_hierarchical_cache` the tree is a `HiRadixCache` (engine/hicache): a match that ends in
 the host or storage tier is loaded into device slots here, inside `match_prefix`, so the
-scheduler sees an ordinary device prefix (and counts it in `cached_tokens`)."""
+scheduler sees an ordinary device prefix (and counts it in `cached_tokens`). Its events name the
+tier (`KVEvent.medium`): the router scores a host or storage hit between a pool hit and a recompute."""
 
 from __future__ import annotations
 
@@ -36,16 +37,23 @@ class OutOfKVError(RuntimeError):
     """The pool cannot hold a batch the scheduler already admitted: a budgeting bug."""
 
 
+Medium = Literal["device", "host", "storage"]
+MEDIUMS: tuple[str, ...] = ("device", "host", "storage")
+
+
 class KVEvent(msgspec.Struct, frozen=True, array_like=True):
     """The prefix cache now holds ("stored") or no longer holds ("removed") the KV of
-    `token_ids[start:]`, whose parent path `token_ids[:start]` it holds (and keeps); or a
-    request whose prompt is `token_ids` arrived ("queued": its KV is being computed here, and
-    will be stored) or ended ("done"). Queued prompts let every router follow a prefix to the
-    engine computing it while the request still waits there, before any "stored" event."""
+    `token_ids[start:]` in tier `medium`, whose parent path `token_ids[:start]` it holds there
+    (and keeps); or a request whose prompt is `token_ids` arrived ("queued": its KV is being
+    computed here, and will be stored) or ended ("done"). Queued prompts let every router follow
+    a prefix to the engine computing it while the request still waits there, before any "stored"
+    event. `medium`: "device" (the KV pool), "host" (the host tier: a load away) or "storage" (the
+    shared storage tier: every engine that reaches it can load it; never "removed")."""
 
     kind: Literal["stored", "removed", "queued", "done"]
     token_ids: list[int]
     start: int = 0
+    medium: Medium = "device"
 
 
 class PrefixCache(Protocol):
@@ -53,7 +61,8 @@ class PrefixCache(Protocol):
     (no running request locks them) or protected."""
 
     shares_prefixes: bool  # False: nothing is kept or shared (a request's KV stays its own)
-    on_event: Callable[[str, list[int], int], None] | None  # (kind, token path, start): see KVEvent
+    # (kind, token path, start[, medium]): see KVEvent; a cache without tiers leaves medium out.
+    on_event: Callable[..., None] | None
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, object]:
         """Longest cached prefix of key: its slots, and the node to lock for it."""
@@ -84,27 +93,29 @@ class PrefixCache(Protocol):
 
 def request_priority(req: Req) -> int:
     """The request's priority (vLLM's convention: lower value = more important; default 0)."""
-    return getattr(req, "priority", None) or 0
+    return req.priority
 
 
 class CacheManager:
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
                  share_prefixes: bool = True, hicache: HiCacheConfig | None = None,
-                 kv_cache: KVCache | None = None, model_id: str = "") -> None:
+                 kv_cache: KVCache | None = None, model_id: str = "", hidden_size: int = 0) -> None:
         """hicache None: the radix cache with LRU (or no cache), as always. Otherwise its eviction
         policy, and with enable_hierarchical_cache the host (and storage) tiers, which copy KV in
-        and out of `kv_cache` (the device pool); `model_id` names the weights in storage keys."""
+        and out of `kv_cache` (the device pool); `model_id` names the weights in storage keys and
+        `hidden_size` fits the cost_aware policy to the model."""
         self.req_to_token_pool = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.allocator = allocator
+        self.hidden_size = hidden_size
         self.tree: PrefixCache = RadixCache(allocator) if share_prefixes else NoRadixCache(allocator)
         self.hicache: HiRadixCache | None = None
-        self._subscribers: list[Callable[[KVEvent], None]] = []
+        self._subscribers: list[tuple[Callable[[KVEvent], None], frozenset[str]]] = []
         # Per request, the tokens of its last match that were loaded from the host tier and, of
         # those, from storage: counted per tier when its prefill starts (`_admitted`).
         self._loaded: weakref.WeakKeyDictionary[Req, tuple[int, int]] = weakref.WeakKeyDictionary()
         if hicache is not None and share_prefixes:
-            self.configure_cache(hicache, kv_cache, model_id)
+            self._build(hicache, kv_cache, model_id)
 
     def configure_cache(self, config: HiCacheConfig, kv_cache: KVCache | None = None, model_id: str = "") -> None:
         """Rebuild the prefix cache from `config` (eviction policy; tiers with
@@ -116,15 +127,21 @@ class CacheManager:
         self.tree.evict(self.allocator.size)
         self.close()
         on_event = self.tree.on_event
+        self._build(config, kv_cache, model_id)
+        self.tree.on_event = on_event
+        if self.hicache is not None:
+            self.hicache.tier_events = self._tier_events()
+
+    def _build(self, config: HiCacheConfig, kv_cache: KVCache | None, model_id: str) -> None:
         if config.enable_hierarchical_cache:
             if kv_cache is None:
                 raise ValueError("enable_hierarchical_cache needs the device KV pool (kv_cache)")
-            self.hicache = HiRadixCache(self.allocator, kv_cache, config, model_id)
+            self.hicache = HiRadixCache(self.allocator, kv_cache, config, model_id, self.hidden_size)
             self.tree = self.hicache
         else:
             self.hicache = None
-            self.tree = RadixCache(self.allocator, create_eviction_policy(config.radix_eviction_policy))
-        self.tree.on_event = on_event
+            policy = create_eviction_policy(config.radix_eviction_policy, self.hidden_size)
+            self.tree = RadixCache(self.allocator, policy)
 
     # ---- budget ----------------------------------------------------------------------------
     @property
@@ -280,24 +297,40 @@ class CacheManager:
         req.release_kv_state()
 
     # ---- KV events ---------------------------------------------------------------------------
-    def subscribe(self, callback: Callable[[KVEvent], None]) -> None:
-        """callback(KVEvent) on the step thread for every store and eviction from now on."""
-        self._subscribers.append(callback)
+    def subscribe(self, callback: Callable[[KVEvent], None], mediums: tuple[str, ...] = ("device",)) -> None:
+        """callback(KVEvent) on the step thread for every store and eviction from now on, in the
+        tiers `mediums` (the device pool only by default; `MEDIUMS` for every tier). "queued" and
+        "done" events go to every subscriber."""
+        unknown = set(mediums) - set(MEDIUMS)
+        if unknown:
+            raise ValueError(f"unknown KV event mediums {sorted(unknown)}; known: {MEDIUMS}")
+        self._subscribers.append((callback, frozenset(mediums)))
         self.tree.on_event = self._publish  # paths are computed only once someone listens
+        if self.hicache is not None:
+            self.hicache.tier_events = self._tier_events()
+
+    def _tier_events(self) -> bool:
+        return any(mediums - {"device"} for _, mediums in self._subscribers)
 
     def publish(self, kind: str, token_ids: list[int], start: int = 0) -> None:
         """Send an event to the subscribers (none: nothing is built)."""
         if self._subscribers:
             self._publish(kind, token_ids, start)
 
-    def _publish(self, kind: str, token_ids: list[int], start: int) -> None:
-        event = KVEvent(kind, token_ids, start)
-        for callback in self._subscribers:
-            callback(event)
+    def _publish(self, kind: str, token_ids: list[int], start: int, medium: str = "device") -> None:
+        event = None
+        for callback, mediums in self._subscribers:
+            if medium in mediums or kind in ("queued", "done"):
+                if event is None:
+                    event = KVEvent(kind, token_ids, start, medium)
+                callback(event)
 
-    def snapshot(self) -> list[list[int]]:
-        """Every token path the cache holds (its leaves' paths), for a subscriber that resyncs."""
-        return self.tree.leaf_paths()
+    def snapshot(self, medium: str = "device") -> list[list[int]]:
+        """Every token path the cache holds in tier `medium` ("device" or "host"; its leaves'
+        paths), for a subscriber that resyncs. The storage tier is shared: no engine lists it."""
+        if medium == "device":
+            return self.tree.leaf_paths()
+        return self.hicache.host_leaf_paths() if self.hicache is not None else []
 
     # ---- integrity ---------------------------------------------------------------------------
     def check_idle(self) -> None:

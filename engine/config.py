@@ -13,6 +13,8 @@ import msgspec
 
 from engine.errors import ConfigError
 from engine.grammar import grammar_backend_class
+from engine.hicache.config import DEFAULTS as HICACHE
+from engine.hicache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
 from engine.limits import RequestLimits
 from engine.model_path import resolve_model_path
 
@@ -234,6 +236,28 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # or else the single most confident one.
     dllm_algorithm: DllmAlgorithmName = "low_confidence"
     dllm_threshold: float = 0.95  # low_confidence's threshold in [0, 1]: 0 unmasks a whole block per forward, 1 one position
+    # Hierarchical KV cache (SGLang's HiCache, engine/hicache): keep KV evicted from the device pool
+    # in a host-memory tier (and, with a storage backend, below it) instead of dropping it; a match
+    # ending there is loaded back before the prefill. (Defaults and checks: HiCacheConfig.)
+    enable_hierarchical_cache: bool = HICACHE.enable_hierarchical_cache
+    hicache_ratio: float = HICACHE.hicache_ratio  # host tier capacity as a multiple of the device KV pool's tokens, > 1 (unless hicache_size is set)
+    hicache_size: float = HICACHE.hicache_size  # host tier capacity in GB (1e9 bytes) of KV; 0: use hicache_ratio
+    # When device KV is copied to the host tier: write_through (when cached), write_back (when
+    # evicted from the device), write_through_selective (once two admissions used it).
+    hicache_write_policy: WritePolicy = HICACHE.hicache_write_policy
+    # Storage tier below the host tier, shared by every engine that reaches it: "file" (a directory,
+    # hicache_storage_path) or "ray" (a named store actor); None: no storage tier.
+    hicache_storage_backend: str | None = HICACHE.hicache_storage_backend
+    # The file backend's directory (a shared file system for a fleet); the ray backend's store name.
+    hicache_storage_path: str | None = HICACHE.hicache_storage_path
+    hicache_storage_page_size: int = HICACHE.hicache_storage_page_size  # tokens per storage page; a prefix's last partial page is not stored
+    # How a match waits for storage pages: wait_complete (load them first), timeout (wait up to
+    # hicache_storage_prefetch_timeout_s, use what arrived), best_effort (use what is prefetched).
+    hicache_storage_prefetch_policy: PrefetchPolicy = HICACHE.hicache_storage_prefetch_policy
+    hicache_storage_prefetch_timeout_s: float = HICACHE.hicache_storage_prefetch_timeout_s  # the timeout policy's wait per match, in seconds
+    # Which unlocked radix nodes are evicted first, in every tier: lru, lfu, slru, priority (the
+    # requests' priority: a higher value goes first), cost_aware (recompute cost per slot x reuse).
+    radix_eviction_policy: str = HICACHE.radix_eviction_policy
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -279,6 +303,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         need(self.dllm_algorithm in DLLM_ALGORITHM_NAMES,
              f"dllm_algorithm must be one of {DLLM_ALGORITHM_NAMES}, got {self.dllm_algorithm!r}")
         need(0.0 <= self.dllm_threshold <= 1.0, f"dllm_threshold must be in [0, 1], got {self.dllm_threshold}")
+        hicache = HiCacheConfig.from_engine_config(self)  # ConfigError
+        if hicache.enable_hierarchical_cache:
+            need(not self.disable_radix_cache, "enable_hierarchical_cache needs the radix cache (disable_radix_cache)")
+            # Rank 0 holds the cache, but only its share of the KV heads.
+            need(self.tp_size == 1, "enable_hierarchical_cache is not supported with tp_size > 1")
         grammar_backend_class(self.grammar_backend, self.constrained_json_whitespace_pattern)  # ConfigError
 
     @classmethod

@@ -27,7 +27,10 @@ from engine.config import EngineConfig
 from engine.disaggregation.transfer import KVSender, KVSource
 from engine.errors import ConfigError, EngineDeadError, ErrorKind, InvalidRequestError
 from engine.forward_batch import ForwardMode
+from engine.hicache.config import model_identity
+from engine.hicache.hiradix_cache import HiCacheStats
 from engine.inputs import InputProcessor
+from engine.model_path import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.req import Req
 from engine.sampling import PromptLogprob, SamplingParams
@@ -106,6 +109,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     spec_accepted_tokens: int = 0  # drafts kept
     spec_verify_requests: int = 0  # (request, verify step) pairs: tokens emitted = accepted + this
     expert_tokens: list[int] = []  # MoE: (token, expert) pairs this engine's experts computed, by expert
+    # Hierarchical cache (enable_hierarchical_cache; None without): per tier (device, host, storage)
+    # the prompt tokens admitted from it, bytes moved and load time; the host tier's occupancy;
+    # the storage tier's pages written, read and found corrupt. cached_tokens counts every tier.
+    hicache: HiCacheStats | None = None
     # Prefill/decode disaggregation: KV transfers this engine completed (sent by a prefill engine,
     # received by a decode engine), their tokens and bytes; on a decode engine also the prompt
     # tokens its own cache held (not transferred), the seconds from fetch to arrival (the prefill
@@ -152,8 +159,11 @@ class Engine:
         self.eos_ids = frozenset(eos)
         if (self.config.disaggregation_mode == "decode") != (kv_source is not None):
             raise ConfigError("a decode engine (disaggregation_mode='decode') needs a kv_source, and only it takes one")
+        model_id = ""
+        if self.config.hicache_storage_backend is not None:  # what storage pages are keyed by
+            model_id = model_identity(resolve_model_path(self.model_path), self.config.quantization)
         self.scheduler = Scheduler(self.config, self.model_runner, self.eos_ids, self.tokenizer.decode,
-                                   kv_source=kv_source, wake=self._notify)
+                                   kv_source=kv_source, wake=self._notify, model_id=model_id)
         mr = self.model_runner
         self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, mr.max_context_len,
                                      mr.max_total_tokens, eos_token_ids=self.eos_ids,
@@ -193,16 +203,19 @@ class Engine:
     # ---- submission ------------------------------------------------------------------------
     def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict | None,
                sink: Callable[[StreamDelta], None], rid: str | None = None,
-               kv_sender: KVSender | None = None) -> str:
+               kv_sender: KVSender | None = None, priority: int = 0) -> str:
         """Validate and queue one request; its deltas go to `sink` (called on the step thread).
         A prefill engine's requests come from decode engines, each with the `kv_sender` its KV
-        goes through; such a request ends with finish_reason "transferred" once it is sent."""
+        goes through; such a request ends with finish_reason "transferred" once it is sent.
+        `priority`: vLLM's request priority (lower = more important), read by the `priority`
+        eviction policy."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         if (self.config.disaggregation_mode == "prefill") != (kv_sender is not None):
             raise InvalidRequestError("a prefill engine takes requests from decode engines (with a kv_sender), "
                                       "and only it does")
         params = self.inputs.as_params(sampling_params)
+        self.inputs.validate_priority(priority)
         self.inputs.validate_input_ids(input_ids)
         self.inputs.validate_request(len(input_ids), params)
         rid = rid or uuid.uuid4().hex
@@ -210,7 +223,7 @@ class Engine:
         if not params.is_greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
-        req = Req(rid, list(input_ids), params, gen)
+        req = Req(rid, list(input_ids), params, gen, priority)
         req.grammar = self.inputs.grammar_matcher(params)  # (compiled by the validation above: cached)
         req.kv_sender = kv_sender
         if params.min_tokens:
@@ -413,8 +426,14 @@ class Engine:
     # ---- convenience API ----------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                  input_ids: list[int] | list[list[int]] | None = None,
-                 messages: list[dict] | None = None) -> GenerateOutput | list[GenerateOutput]:
+                 messages: list[dict] | None = None,
+                 priority: int | list[int] = 0) -> GenerateOutput | list[GenerateOutput]:
+        """priority: vLLM's request priority (lower = more important), one for every prompt or
+        one per prompt."""
         prompts, params, single = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
+        priorities = priority if isinstance(priority, list) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise InvalidRequestError("priority list must match the number of prompts", "priority")
         results: dict[str, list[StreamDelta]] = {}
         done = queue.SimpleQueue()
 
@@ -424,19 +443,20 @@ class Engine:
                 done.put(delta.rid)
 
         rids = []
-        for ids, p in zip(prompts, params):
+        for ids, p, prio in zip(prompts, params, priorities):
             rid = f"{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
             results[rid] = []
-            rids.append(self.submit(ids, p, sink, rid=rid))
+            rids.append(self.submit(ids, p, sink, rid=rid, priority=prio))
         self._wait(done, len(rids))
         outs = [collect_output(rid, results[rid]) for rid in rids]
         return outs[0] if single else outs
 
     def stream(self, prompt: str | None = None, sampling_params: Any = None,
-               input_ids: list[int] | None = None, messages: list[dict] | None = None) -> Iterator[StreamDelta]:
+               input_ids: list[int] | None = None, messages: list[dict] | None = None,
+               priority: int = 0) -> Iterator[StreamDelta]:
         prompts, params, _ = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
         q: queue.SimpleQueue = queue.SimpleQueue()
-        rid = self.submit(prompts[0], params[0], q.put)
+        rid = self.submit(prompts[0], params[0], q.put, priority=priority)
         finished = False
         try:
             while True:
@@ -511,6 +531,7 @@ class Engine:
             spec_accepted_tokens=s.spec_accepted_tokens,
             spec_verify_requests=s.spec_verify_requests,
             expert_tokens=self.model_runner.expert_token_counts(),
+            hicache=s.cache.hicache_stats(),
             batches_by_mode={mode: s.batches_by_mode[mode] for mode in ForwardMode.__members__},
             **self._kv_transfer_stats(),
         )
@@ -529,11 +550,14 @@ class Engine:
         return {}
 
     def shutdown(self) -> None:
+        """Stop the loop, then flush the storage tier's pending writes (the pages other engines
+        may load)."""
         self._stopping = True
         self._wake.set()
         if self._loop_thread is not None:
             self._loop_thread.join(timeout=5)
             self._loop_thread = None
+        self.scheduler.cache.close()
 
 
 def collect_output(rid: str, deltas: list[StreamDelta]) -> GenerateOutput:

@@ -109,6 +109,12 @@ class InputProcessor:
             return chars
         return 0
 
+    @staticmethod
+    def validate_priority(priority: Any) -> None:
+        """vLLM's request priority: any integer (lower = more important)."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", "priority")
+
     def validate_input_ids(self, ids: Any) -> None:
         if not isinstance(ids, list | tuple) or not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")

@@ -33,8 +33,11 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 class Req:
     def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, priority: int = 0) -> None:
         self.rid = rid
+        # vLLM's request priority: lower value = more important (default 0). The `priority`
+        # eviction policy keeps the prefixes of important requests longest.
+        self.priority = priority
         self.origin_input_ids = origin_input_ids
         self.output_ids: list[int] = []
         self.sampling_params = sampling_params

@@ -32,6 +32,7 @@ from engine.draft_model import DraftModelDrafter
 from engine.errors import ConfigError, EngineDeadError, ErrorKind
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.grammar import GrammarError
+from engine.hicache.config import HiCacheConfig
 from engine.model_runner import ModelRunner, PendingSample
 from engine.prefill_adder import AddResult, PrefillAdder
 from engine.req import FinishReason, Req
@@ -148,12 +149,17 @@ class OverlapStep(StepStrategy):
 class Scheduler:
     def __init__(self, config: EngineConfig, model_runner, eos_token_ids: frozenset[int],
                  decode_tail: Callable[[list[int]], str] | None = None, kv_source: KVSource | None = None,
-                 wake: Callable[[], None] = lambda: None) -> None:
+                 wake: Callable[[], None] = lambda: None, model_id: str = "") -> None:
+        """model_id: the weights' identity (storage pages are shared only under the same one)."""
         self.config = config
         self.model_runner = model_runner
         self.device = model_runner.device
+        hicache = HiCacheConfig.from_engine_config(config)
         self.cache = CacheManager(model_runner.req_to_token_pool, model_runner.allocator,
-                                  share_prefixes=not config.disable_radix_cache)
+                                  share_prefixes=not config.disable_radix_cache,
+                                  hicache=None if hicache.is_default else hicache,
+                                  kv_cache=model_runner.kv_cache, model_id=model_id,
+                                  hidden_size=model_runner.model_config.hidden_size)
         self.eos_token_ids = eos_token_ids
         self.decode_tail = decode_tail
         self.max_context_len = model_runner.max_context_len

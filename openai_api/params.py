@@ -65,6 +65,10 @@ class OpenAISampling(msgspec.Struct, kw_only=True):
     regex: str | None = None
     ebnf: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: logprob, rank and top-k of each prompt token
+    # vLLM's request priority (lower = more important, default 0): not a sampling parameter, the
+    # front end hands it to the engine with the request (Engine.submit's `priority`), where the
+    # `priority` eviction policy keeps important requests' prefixes longest.
+    priority: int = 0
 
     def sampling_params(self, default_max_tokens: int, max_tokens: int | None = None, logprobs: bool = False,
                         top_logprobs: int = 0) -> SamplingParams:

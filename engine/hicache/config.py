@@ -1,14 +1,21 @@
-"""HiCacheConfig: the hierarchical cache's settings, with SGLang's names (phase 2 moves them into
-EngineConfig). Passed to CacheManager; None there means the plain radix cache with LRU."""
+"""HiCacheConfig: what the prefix cache is built from (`CacheManager`), taken from the
+EngineConfig fields of the same names (`from_engine_config`), where users set them and where each
+field's help line is; the defaults and the checks are here, and EngineConfig takes both from here,
+so the two never disagree. Built directly (tests, benchmarks), every field has its default."""
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import hashlib
+import os
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import msgspec
 
 from engine.errors import ConfigError
 from engine.hicache.eviction import EVICTION_POLICIES
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 WritePolicy = Literal["write_through", "write_back", "write_through_selective"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
@@ -17,31 +24,17 @@ PREFETCH_POLICIES = get_args(PrefetchPolicy)
 
 
 class HiCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
-    # Keep KV evicted from the device pool in a host-memory tier (and, with a storage backend,
-    # below it) instead of dropping it; a match ending there loads it back before the prefill.
+    """The EngineConfig fields of the same names (their comments there are the flags' help)."""
+
     enable_hierarchical_cache: bool = False
-    # Host tier capacity as a multiple of the device KV pool's tokens (unless hicache_size is set).
     hicache_ratio: float = 2.0
-    # Host tier capacity in GB (1e9 bytes) of KV; 0: use hicache_ratio.
     hicache_size: float = 0.0
-    # When device KV is copied to the host tier: write_through (at insert), write_back (when
-    # evicted from the device), write_through_selective (once a node was used by two admissions).
     hicache_write_policy: WritePolicy = "write_through"
-    # Storage tier below the host tier, shared by engines ("file"; the actor layer registers more);
-    # None: no storage tier. Needs enable_hierarchical_cache.
     hicache_storage_backend: str | None = None
-    # The file backend's directory (a shared file system for a fleet).
     hicache_storage_path: str | None = None
-    # Tokens per storage page; a prefix's last partial page is not stored.
     hicache_storage_page_size: int = 64
-    # How a match waits for storage pages: wait_complete (load them before returning),
-    # timeout (wait up to hicache_storage_prefetch_timeout_s, use what arrived), best_effort
-    # (start a background prefetch, use what is ready; later matches pick up the rest).
     hicache_storage_prefetch_policy: PrefetchPolicy = "wait_complete"
-    # The timeout policy's wait per match, in seconds.
     hicache_storage_prefetch_timeout_s: float = 1.0
-    # Which unlocked radix nodes are evicted first, in every tier: lru, lfu, slru, priority
-    # (the request's priority, lower value kept longer), cost_aware (recompute cost per slot).
     radix_eviction_policy: str = "lru"
 
     def __post_init__(self) -> None:
@@ -56,6 +49,10 @@ class HiCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"hicache_storage_prefetch_policy must be one of {PREFETCH_POLICIES}")
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
             raise ConfigError("hicache_ratio must be > 0 and hicache_size >= 0")
+        if self.enable_hierarchical_cache and not self.hicache_size and self.hicache_ratio <= 1:
+            # The host tier also holds copies of what the pool holds (write-through): no larger
+            # than the pool, it would add nothing (SGLang's rule too).
+            raise ConfigError("hicache_ratio must be > 1 (the host tier holds the pool's KV too)")
         if self.hicache_storage_page_size < 1:
             raise ConfigError("hicache_storage_page_size must be >= 1")
         if self.hicache_storage_prefetch_timeout_s < 0:
@@ -65,3 +62,32 @@ class HiCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError("hicache_storage_backend needs enable_hierarchical_cache")
             if self.hicache_storage_backend == "file" and not self.hicache_storage_path:
                 raise ConfigError("hicache_storage_backend 'file' needs hicache_storage_path")
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig | Any) -> HiCacheConfig:
+        """The fields of the same names from an EngineConfig (ConfigError as above)."""
+        return cls(**{name: getattr(config, name) for name in cls.__struct_fields__})
+
+    @property
+    def is_default(self) -> bool:
+        """The plain radix cache with LRU: what a CacheManager builds with no config."""
+        return self == DEFAULTS
+
+
+DEFAULTS = HiCacheConfig()
+
+
+def model_identity(model_dir: str, quantization: str, extra: str = "") -> str:
+    """What storage page keys are seeded with besides the KV layout: the checkpoint's contents
+    (config.json and the weight files' names and sizes, not its path, so engines that load the
+    same checkpoint from different folders share pages) and how its weights are computed."""
+    h = hashlib.sha256()
+    try:
+        with open(os.path.join(model_dir, "config.json"), "rb") as f:
+            h.update(f.read())
+        for name in sorted(os.listdir(model_dir)):
+            if name.endswith((".safetensors", ".gguf", ".bin")):
+                h.update(f"|{name}:{os.path.getsize(os.path.join(model_dir, name))}".encode())
+    except OSError:
+        h.update(os.path.abspath(model_dir).encode())
+    return f"{h.hexdigest()[:32]}|quantization={quantization}{extra}"

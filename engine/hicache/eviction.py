@@ -28,6 +28,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def key(self, node: TreeNode, now: int) -> Any: ...
 
+    @classmethod
+    def for_model(cls, hidden_size: int) -> EvictionPolicy:
+        """The policy for a model of this hidden size (most policies do not depend on it)."""
+        return cls()
+
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {}
 
@@ -37,14 +42,15 @@ def register_policy(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
     return cls
 
 
-def create_eviction_policy(name: str) -> EvictionPolicy:
-    """The policy registered under `name`; ValueError names the known ones."""
+def create_eviction_policy(name: str, hidden_size: int = 0) -> EvictionPolicy:
+    """The policy registered under `name`, fitted to the model (`hidden_size`; 0: unknown, the
+    policy's defaults); ValueError names the known ones."""
     cls = EVICTION_POLICIES.get(name)
     if cls is None:
         raise ValueError(
             f"unknown radix_eviction_policy {name!r}; known: {sorted(EVICTION_POLICIES)}"
         )
-    return cls()
+    return cls.for_model(hidden_size)
 
 
 @register_policy
@@ -112,6 +118,10 @@ class CostAwarePolicy(EvictionPolicy):
 
     def __init__(self, attention_tokens: float = 8192.0) -> None:
         self.attention_tokens = attention_tokens
+
+    @classmethod
+    def for_model(cls, hidden_size: int) -> CostAwarePolicy:
+        return cls(6.0 * hidden_size) if hidden_size > 0 else cls()
 
     def key(self, node: TreeNode, now: int) -> float:
         mean_position = node.depth + (len(node.key) - 1) / 2

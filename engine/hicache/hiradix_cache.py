@@ -72,6 +72,7 @@ class HiRadixCache(RadixCache):
         kv_cache: KVCache,
         config: HiCacheConfig,
         model_id: str = "",
+        hidden_size: int = 0,
     ) -> None:
         self.kv_cache = kv_cache
         self.config = config
@@ -79,7 +80,7 @@ class HiRadixCache(RadixCache):
         self.host = HostKVPool.for_device_pool(
             kv_cache, allocator.size, config.hicache_ratio, config.hicache_size
         )
-        self.host_policy = create_eviction_policy(config.radix_eviction_policy)
+        self.host_policy = create_eviction_policy(config.radix_eviction_policy, hidden_size)
         self.storage: StorageTier | None = None
         if config.hicache_storage_backend is not None:
             shape, dtype, page = (
@@ -102,9 +103,13 @@ class HiRadixCache(RadixCache):
             )
         self.tiers = {name: TierStats() for name in ("device", "host", "storage")}
         self.host_evicted_tokens = 0
+        # Host and storage events too (a subscriber asked for them; paths cost a walk each).
+        self.tier_events = False
         # Nodes returned by matches since the last allocation, by id: load-back may not evict them.
         self._pending: dict[int, TreeNode] = {}
-        super().__init__(allocator, create_eviction_policy(config.radix_eviction_policy))
+        super().__init__(
+            allocator, create_eviction_policy(config.radix_eviction_policy, hidden_size)
+        )
 
     def reset(self) -> None:
         super().reset()
@@ -231,6 +236,8 @@ class HiRadixCache(RadixCache):
         node = TreeNode(key[matched:end], None, parent)
         node.host_value, node.depth, node.last_access = slots, matched, self._clock
         parent.children[key[matched]] = node
+        if self.tier_events and self.on_event is not None:
+            self.on_event("stored", key[:end], matched, "host")
         return node
 
     # ---- inserts -----------------------------------------------------------------------------
@@ -280,7 +287,10 @@ class HiRadixCache(RadixCache):
             self.tiers["storage"].write_bytes += data.numel() * data.element_size()
             return data
 
-        self.storage.write(key, gather)
+        first = self.storage.write(key, gather)
+        if first is not None and self.tier_events and self.on_event is not None:
+            end = len(key) // self.storage.page_size * self.storage.page_size
+            self.on_event("stored", list(key[:end]), first * self.storage.page_size, "storage")
 
     def record_hit(self, node: TreeNode, priority: int | None = None) -> None:
         super().record_hit(node, priority)
@@ -304,6 +314,8 @@ class HiRadixCache(RadixCache):
         moved = self.host.backup_from_device(self.kv_cache, node.value, slots)
         self.tiers["device"].write_bytes += moved
         node.host_value = slots
+        if self.tier_events and self.on_event is not None:
+            self.on_event("stored", self._path(node), node.depth, "host")
         return True
 
     def evict_host(self, num_tokens: int) -> int:
@@ -318,6 +330,8 @@ class HiRadixCache(RadixCache):
         evicted = 0
         while heap and evicted < num_tokens:
             _, leaf = heapq.heappop(heap)
+            if self.tier_events and self.on_event is not None:
+                self.on_event("removed", self._path(leaf), leaf.depth, "host")
             self.host.free(leaf.host_value)
             evicted += len(leaf.key)
             parent = leaf.parent
@@ -367,6 +381,10 @@ class HiRadixCache(RadixCache):
         return evicted
 
     def _drop_subtree(self, node: TreeNode) -> None:
+        if (
+            node.children and self.tier_events and self.on_event is not None
+        ):  # host-only nodes go too
+            self.on_event("removed", self._path(node), node.depth, "host")
         del node.parent.children[node.key[0]]
         stack = list(node.children.values())
         while stack:
@@ -387,6 +405,15 @@ class HiRadixCache(RadixCache):
     def leaf_paths(self) -> list[list[int]]:
         """The device view: the token path of every device leaf."""
         return [self._path(n) for n in self._nodes() if self._device_leaf(n)]
+
+    def host_leaf_paths(self) -> list[list[int]]:
+        """The host view: the token path of every node with a host copy and none below it."""
+        return [
+            self._path(n)
+            for n in self._nodes()
+            if n.host_value is not None
+            and not any(c.host_value is not None for c in n.children.values())
+        ]
 
     def check_host(self) -> None:
         """Host-tier invariant (no request running): the pool's used slots are exactly the

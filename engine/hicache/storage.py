@@ -29,6 +29,8 @@ import msgspec
 import numpy as np
 import torch
 
+from engine.errors import ConfigError
+
 MAGIC = b"RRKVPAGE"
 VERSION = 1
 _PREFIX = struct.Struct("<8sII")  # magic, version, header bytes
@@ -72,8 +74,8 @@ def register_storage_backend(
 
 def create_storage_backend(name: str, path: str | None, namespace: str) -> StorageBackend:
     factory = STORAGE_BACKENDS.get(name)
-    if factory is None:
-        raise ValueError(
+    if factory is None:  # "ray" is registered by the actor layer (actors/hicache_store.py)
+        raise ConfigError(
             f"unknown hicache_storage_backend {name!r}; known: {sorted(STORAGE_BACKENDS)}"
         )
     return factory(path, namespace)
@@ -238,17 +240,20 @@ class StorageTier:
         return page_keys(self.seed, tokens, self.page_size, num_pages)
 
     # ---- writes ----------------------------------------------------------------------------
-    def write(self, tokens: list[int], gather: Callable[[int, int], torch.Tensor]) -> None:
+    def write(self, tokens: list[int], gather: Callable[[int, int], torch.Tensor]) -> int | None:
         """Store every full page of `tokens` this engine has not stored yet; `gather(start, end)`
         returns the KV of tokens[start:end] as a host tensor (taken now: the slots may be reused
-        after this call)."""
+        after this call). Returns the first page queued, None if none was."""
         n = len(tokens) // self.page_size
         if n == 0 or self._closed:
-            return
+            return None
+        first: int | None = None
         for p, key in enumerate(self.keys(tokens, n)):
             if key in self._known:
                 self._known.move_to_end(key)
                 continue
+            if first is None:
+                first = p
             start = p * self.page_size
             ids = tokens[start : start + self.page_size]
             kv = gather(start, start + self.page_size)
@@ -257,6 +262,7 @@ class StorageTier:
             with self._lock:
                 self._pending_writes.add(fut)
             fut.add_done_callback(self._write_done)
+        return first
 
     def _write_done(self, fut: concurrent.futures.Future) -> None:
         with self._lock:

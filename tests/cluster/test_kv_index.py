@@ -3,6 +3,7 @@ matches every prompt exactly as the cache does; a lost event is detected and a s
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from cluster.kv_index import CachedPaths, InFlightPrompts, KVIndex
 from cluster.routing import Router
 from engine import SamplingParams
 from engine.cache_manager import CacheManager, KVEvent
+from engine.errors import ConfigError
 from engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from engine.req import Req
 
@@ -182,3 +184,94 @@ def test_full_engines_keep_the_balance_of_cache_and_load():
     assert router.pick(prompt, 110) == 0
     router.loads[0].tokens += 1100  # 0.1 x 1,100 > the 90 tokens it saves
     assert router.pick(prompt, 110) == 1
+
+
+def test_kv_events_scores_host_and_storage_hits_between_a_pool_hit_and_a_recompute():
+    """Tier-weighted scoring: a prompt in engine 0's host tier beats a recompute on engine 1 and
+    loses to engine 1's pool; a prefix in the shared storage tier is available on every engine."""
+    prompt = list(range(1, 101))
+    router = Router("kv_events", 2, policy_options={"load_weight": 0.0, "evict_weight": 0.0})
+    router.kv_index.apply(0, _batch(1, KVEvent("stored", prompt, 0, "host")))
+    router.kv_index.apply(1, _batch(1, KVEvent("stored", [500], 0)))
+    assert router.kv_index.match_tiers(0, prompt) == (0, 100, 100)
+    assert router.pick(prompt, cost=0) == 0  # a load from the host instead of 100 tokens computed
+    assert router.stats().prefix_hit_rate == 1.0  # held in a tier: loaded, not computed
+    router.done(0, 0, prompt)
+    router.kv_index.apply(1, _batch(2, KVEvent("stored", prompt[:60], 0)))
+    # Engine 0: 100 host tokens x 0.1 = 10; engine 1: 40 recomputed = 40.
+    assert router.pick(prompt, cost=0) == 0
+    router.done(0, 0, prompt)
+    router.kv_index.apply(1, _batch(3, KVEvent("stored", prompt[:95], 0)))
+    assert router.pick(prompt, cost=0) == 1  # 5 recomputed beats 100 loaded from the host
+    router.done(1, 0, prompt)
+    # The host copy goes: engine 0 would recompute everything.
+    router.kv_index.apply(0, _batch(2, KVEvent("removed", prompt, 0, "host")))
+    assert router.kv_index.match_tiers(0, prompt) == (0, 0, 0)
+    # Engine 1 wrote 96 tokens to the shared storage: engine 0 can load them too (96 x 0.3 + 4
+    # recomputed = 32.8), engine 1 keeps its pool's 95 (5 recomputed): engine 1 still wins, but
+    # a prompt engine 1's pool does not hold goes by storage on either engine.
+    router.kv_index.apply(1, _batch(4, KVEvent("stored", prompt[:96], 64, "storage")))
+    assert router.kv_index.match_tiers(0, prompt) == (0, 0, 96)
+    assert router.pick(prompt, cost=0) == 1
+    router.done(1, 0, prompt)
+    assert router.kv_index.stats().storage_tokens == 96 and router.kv_index.stats().host_tokens == [0, 0]
+    with pytest.raises(ConfigError, match="host_hit_weight"):
+        Router("kv_events", 1, policy_options={"host_hit_weight": 2.0})
+
+
+def test_a_snapshot_restores_the_host_tier_and_storage_is_bounded():
+    index = KVIndex(1, storage_capacity=10)
+    snap = KVSnapshot("a", 3, [[1, 2]])
+    index.reset(0, snap)
+    assert index.match_tiers(0, [1, 2, 3, 4]) == (2, 2, 2)  # a snapshot without host paths
+
+    class WithHost(msgspec.Struct, frozen=True, array_like=True):  # what KVSnapshot would add
+        incarnation: str
+        seq: int
+        paths: list[list[int]]
+        queued: list[list[int]] = []
+        host_paths: list[list[int]] = []
+
+    index.reset(0, WithHost("a", 3, [[1, 2]], [], [[1, 2, 3, 4]]))
+    assert index.match_tiers(0, [1, 2, 3, 4, 5]) == (2, 4, 4)
+    index.apply(0, _batch(4, KVEvent("stored", list(range(20, 28)), 0, "storage"), incarnation="a"))
+    assert index.match_tiers(0, list(range(20, 28))) == (0, 0, 8)
+    index.apply(0, _batch(5, KVEvent("stored", list(range(40, 48)), 0, "storage"), incarnation="a"))
+    assert index.storage.size == 0  # past its capacity the storage view starts over
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+@settings(max_examples=60, deadline=None)
+@given(script=st.lists(st.tuples(st.sampled_from(["add", "evict", "evict_host", "query"]), tokens,
+                                 st.integers(1, 20)), max_size=40))
+def test_tier_events_keep_the_host_view_exact(write_policy, script):
+    """Fed the hierarchical cache's events of every tier, the index matches what its pool holds
+    and what its host tier holds (a host copy's whole path: its head may be on the device only)."""
+    from engine.cache_manager import MEDIUMS
+    from engine.hicache.config import HiCacheConfig
+    from engine.memory import KVCache
+    from engine.token_trie import common_prefix_len
+
+    cfg = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=1.5, hicache_write_policy=write_policy)
+    cache = CacheManager(ReqToTokenPool(2, 16, CPU), TokenToKVPoolAllocator(20, CPU), hicache=cfg,
+                         kv_cache=KVCache(20, 1, 1, 1, torch.float32, CPU))
+    index, seq = KVIndex(1), [0]
+
+    def on_event(event: KVEvent) -> None:
+        seq[0] += 1
+        assert index.apply(0, _batch(seq[0], event))
+
+    cache.subscribe(on_event, MEDIUMS)
+    hi = cache.hicache
+    for op, ids, n in script:
+        if op == "add":
+            _run(cache, ids)
+        elif op == "evict":
+            hi.evict(n)
+        elif op == "evict_host":
+            hi.evict_host(n)
+        device = len(hi.match_prefix(ids)[0])
+        host_paths = [hi._path(node) for node in hi._nodes() if node.host_value is not None]
+        host = max([device] + [common_prefix_len(ids, p) for p in host_paths])
+        assert index.match_tiers(0, ids)[:2] == (device, host)
+        cache.check_idle()

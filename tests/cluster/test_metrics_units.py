@@ -8,6 +8,7 @@ import asyncio
 import math
 import time
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -57,6 +58,33 @@ def test_page_parses_with_one_help_and_type_per_family_and_a_replica_on_every_sa
     assert got[("radixray_metrics_refreshes_total", (replica,))] == 3
     assert got[("radixray_time_to_first_token_seconds_bucket", (("le", "0.25"), replica))] == 1
     assert 'replica="r\\"1\\\\x\\nz"' in text and "\nz" not in text
+
+
+def test_hicache_figures_per_engine_and_tier():
+    from engine.hicache.hiradix_cache import HiCacheStats, TierStats
+
+    stats = cluster_stats()
+    page = ServerMetrics("r").render(stats)
+    assert "radixray_engine_hicache" not in page  # no engine has the hierarchical cache
+    tiers = HiCacheStats(device=TierStats(hit_tokens=30, write_bytes=4096),
+                         host=TierStats(hit_tokens=8, load_bytes=1024, load_seconds=0.5, loads=2),
+                         storage=TierStats(hit_tokens=2), host_used_tokens=40, host_total_tokens=200,
+                         storage_pages_written=3, storage_pages_corrupt=1)
+    stats.engines[1].engine.hicache = tiers
+    got = samples(ServerMetrics("r").render(stats))
+    replica = ("replica", "r")
+    for tier, n in (("device", 30), ("host", 8), ("storage", 2)):
+        assert got[("radixray_engine_hicache_hit_tokens_total", (("engine", "1"), replica, ("tier", tier)))] == n
+    assert got[("radixray_engine_hicache_load_bytes_total", (("engine", "1"), replica, ("tier", "host")))] == 1024
+    assert got[("radixray_engine_hicache_load_seconds_total", (("engine", "1"), replica, ("tier", "host")))] == 0.5
+    assert got[("radixray_engine_hicache_write_bytes_total", (("engine", "1"), replica, ("tier", "device")))] == 4096
+    assert got[("radixray_engine_hicache_host_used_tokens", (("engine", "1"), replica))] == 40
+    assert got[("radixray_engine_hicache_host_total_tokens", (("engine", "1"), replica))] == 200
+    assert got[("radixray_engine_hicache_storage_pages_total", (("engine", "1"), ("op", "corrupt"), replica))] == 1
+    assert not any(labels and ("engine", "0") in labels for name, labels in got if "hicache" in name)
+    # EngineStats crosses the actor boundary as msgpack: the tiers survive the round trip.
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(stats.engines[1].engine), type=EngineStats)
+    assert wire.hicache == tiers
 
 
 def test_a_scrape_resets_nothing():

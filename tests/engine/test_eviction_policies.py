@@ -57,6 +57,10 @@ def test_registry_names_and_errors():
         create_eviction_policy("mru")
     with pytest.raises(ValueError, match="radix_eviction_policy"):
         HiCacheConfig(radix_eviction_policy="nope")
+    # Fitted to the model: cost_aware's attention/linear crossover is 6 x hidden_size.
+    assert create_eviction_policy("cost_aware", hidden_size=1024).attention_tokens == 6144
+    assert create_eviction_policy("cost_aware").attention_tokens == 8192.0  # unknown model
+    assert create_eviction_policy("lru", hidden_size=1024).name == "lru"
 
 
 @pytest.mark.parametrize("name", POLICIES)

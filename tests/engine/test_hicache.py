@@ -9,6 +9,7 @@ import os
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -348,13 +349,10 @@ def test_prefetch_policies_deliver_the_pages(tmp_path, policy):
 
 
 # ---- real engines ----------------------------------------------------------------------------
-def _engine(model_dir: str, pool: int, cfg: HiCacheConfig | None) -> Engine:
-    eng = Engine(model_path=model_dir, max_total_tokens=pool)
-    if (
-        cfg is not None
-    ):  # phase 2 passes it through EngineConfig; until then, set it on the idle cache
-        eng.scheduler.cache.configure_cache(cfg, eng.model_runner.kv_cache, model_id=model_dir)
-    return eng
+def _engine(model_dir: str, pool: int, cfg: HiCacheConfig | None, **kwargs) -> Engine:
+    """An engine with the cache settings of `cfg`, given as EngineConfig fields (as users do)."""
+    fields = msgspec.structs.asdict(cfg) if cfg is not None else {}
+    return Engine(model_path=model_dir, max_total_tokens=pool, **fields, **kwargs)
 
 
 def _conversation(tenants: int = 3, prefix: int = 40, rounds: int = 3) -> list[list[int]]:
@@ -385,15 +383,26 @@ def test_engine_outputs_identical_with_and_without_tiers(model_dirs, model, tmp_
     assert all(c == 0 for _, c in got["small"][later])
     assert all(c >= 40 for _, c in got["tiered"][later])
     assert all(c >= 40 for _, c in got["stored"][later])
-    stored.scheduler.cache.close()
-    # A new engine with an empty pool: the shared storage tier holds the prefixes (whole pages).
+    for eng in (tiered, stored):  # every prompt token counted once, in the tier it came from
+        st_ = eng.stats()
+        tiers = st_.hicache
+        assert (
+            tiers.device.hit_tokens + tiers.host.hit_tokens + tiers.storage.hit_tokens
+            == st_.cached_tokens
+        )
+        assert tiers.host.hit_tokens > 0 and tiers.host_used_tokens <= tiers.host_total_tokens
+    assert small.stats().hicache is None
+    stored.shutdown()  # flushes the storage tier's queued writes
+    # A second engine with an empty pool: the shared storage tier holds the prefixes (whole pages).
     fresh = _engine(model_dirs[model], 96, _storage_cfg(tmp_path, page=16))
     for ids, want in zip(prompts[:3], tokens["ref"][:3]):
         out = fresh.generate(input_ids=ids, sampling_params=GREEDY)
         assert out.token_ids == want and out.cached_tokens == 32
-    assert fresh.scheduler.cache.hicache_stats().storage.hit_tokens == 96
+    stats = fresh.stats()
+    assert stats.hicache.storage.hit_tokens == 96 == stats.cached_tokens
+    assert stats.hicache.storage_pages_read == 6 and stats.hicache.storage_pages_corrupt == 0
     fresh.check_memory()
-    fresh.scheduler.cache.close()
+    fresh.shutdown()
 
 
 def test_the_ray_store_keeps_pages_within_its_budget():
@@ -424,12 +433,9 @@ def test_batched_admission_under_pressure_loads_back_correctly(model_dirs, polic
         schedule_policy=policy,
         chunked_prefill_size=16,
         enable_overlap_schedule=overlap,
-    )
-    eng.scheduler.cache.configure_cache(
-        HiCacheConfig(
-            enable_hierarchical_cache=True, hicache_ratio=4, hicache_write_policy="write_back"
-        ),
-        eng.model_runner.kv_cache,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4,
+        hicache_write_policy="write_back",
     )
     for ids in prompts[:4]:  # every tenant once: the pool keeps the last ones, the host the rest
         eng.generate(input_ids=ids, sampling_params=GREEDY)
@@ -438,3 +444,141 @@ def test_batched_admission_under_pressure_loads_back_correctly(model_dirs, polic
     eng.check_memory()
     stats = eng.scheduler.cache.hicache_stats()
     assert stats.host.hit_tokens > 0 and stats.host.loads > 0
+
+
+# ---- EngineConfig, requests, events -----------------------------------------------------------
+def test_engine_config_holds_the_settings_and_checks_them(model_dirs):
+    from engine.config import EngineConfig
+    from engine.flags import field_docs
+
+    cfg = EngineConfig(
+        enable_hierarchical_cache=True, hicache_ratio=3, radix_eviction_policy="slru"
+    )
+    assert HiCacheConfig.from_engine_config(cfg) == HiCacheConfig(
+        enable_hierarchical_cache=True, hicache_ratio=3, radix_eviction_policy="slru"
+    )
+    assert HiCacheConfig.from_engine_config(EngineConfig()).is_default  # the same defaults
+    docs = field_docs(EngineConfig)
+    assert all(docs.get(name) for name in HiCacheConfig.__struct_fields__)  # every flag has help
+    bad = [
+        ({"hicache_storage_backend": "file", "hicache_storage_path": "/x"}, "needs enable_hier"),
+        ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}, "storage_path"),
+        ({"radix_eviction_policy": "mru"}, "radix_eviction_policy"),
+        ({"hicache_ratio": 0}, "hicache_ratio"),
+        ({"enable_hierarchical_cache": True, "hicache_ratio": 1.0}, "hicache_ratio must be > 1"),
+        ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "radix cache"),
+        ({"enable_hierarchical_cache": True, "tp_size": 2}, "tp_size"),
+    ]
+    for kwargs, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            EngineConfig.from_kwargs(**kwargs)
+    with pytest.raises(ConfigError, match="one of"):
+        EngineConfig.from_kwargs(hicache_write_policy="sometimes")
+    # Without tiers the policy still applies; cost_aware is fitted to the model's hidden size.
+    eng = Engine(
+        model_path=model_dirs["llama"], max_total_tokens=64, radix_eviction_policy="cost_aware"
+    )
+    cache = eng.scheduler.cache
+    assert cache.hicache is None and cache.tree.policy.name == "cost_aware"
+    assert cache.tree.policy.attention_tokens == 6 * eng.model_config.hidden_size
+    plain = Engine(model_path=model_dirs["llama"], max_total_tokens=64)
+    assert plain.scheduler.cache.hicache is None and plain.scheduler.cache.tree.policy.name == "lru"
+
+
+def test_request_priority_reaches_the_priority_policy(model_dirs):
+    """Two tenants whose prefixes do not both fit the pool: under `priority` the important one
+    (lower value, vLLM's convention) stays cached whatever the recency; under lru it goes."""
+    from engine import InvalidRequestError
+
+    vip = [3 + i % 50 for i in range(40)]
+    other = [[60 + (7 * t + i) % 100 for i in range(30)] for t in range(2)]
+    hits = {}
+    for policy in ("priority", "lru"):
+        eng = Engine(
+            model_path=model_dirs["llama"], max_total_tokens=96, radix_eviction_policy=policy
+        )
+        eng.generate(input_ids=vip + [1], sampling_params=GREEDY, priority=-1)
+        assert eng.scheduler.cache.tree.root.children[vip[0]].priority == -1
+        for ids in other:  # the second one needs room: the pool gives up a cached prefix
+            eng.generate(input_ids=ids + [1], sampling_params=GREEDY, priority=5)
+        hits[policy] = eng.generate(input_ids=vip + [2], sampling_params=GREEDY).cached_tokens
+        eng.check_memory()
+    assert hits["priority"] >= 40 and hits["lru"] == 0
+    with pytest.raises(InvalidRequestError, match="priority"):
+        eng.submit([1, 2, 3], GREEDY, lambda d: None, priority="high")
+    with pytest.raises(InvalidRequestError, match="priority"):
+        eng.generate(input_ids=[[1, 2], [3, 4]], sampling_params=GREEDY, priority=[1])
+
+
+def test_openai_bodies_take_vllm_priority():
+    from openai_api.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = msgspec.json.decode(b'{"prompt": "hi", "priority": -3}', type=CompletionRequest)
+    assert body.priority == -3
+    chat = msgspec.json.decode(
+        b'{"messages": [{"role": "user", "content": "x"}]}', type=ChatCompletionRequest
+    )
+    assert chat.priority == 0
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"prompt": "hi", "priority": "high"}', type=CompletionRequest)
+
+
+def test_events_name_their_tier_for_subscribers_that_ask(tmp_path):
+    from engine.cache_manager import MEDIUMS, KVEvent
+
+    cm = _manager(16, _storage_cfg(tmp_path, page=4))
+    device_only, every = [], []
+    cm.subscribe(device_only.append)
+    cm.subscribe(every.append, MEDIUMS)
+    with pytest.raises(ValueError, match="mediums"):
+        cm.subscribe(every.append, ("disk",))
+    ids = list(range(1, 11))
+    _serve(cm, ids)
+    assert device_only == [KVEvent("stored", ids, 0)]
+    assert KVEvent("stored", ids, 0, "host") in every  # write-through
+    assert KVEvent("stored", ids[:8], 0, "storage") in every  # two whole pages
+    assert cm.snapshot("host") == [ids] and cm.snapshot() == [ids]
+    cm.alloc_slots(16)  # the pool is emptied: the host keeps it
+    assert device_only[-1] == KVEvent("removed", ids, 0) and every[-1].medium == "device"
+    cm.hicache.evict_host(10)
+    assert every[-1] == KVEvent("removed", ids, 0, "host") and device_only[-1].medium == "device"
+    assert cm.snapshot("host") == []
+    cm.allocator.free(torch.arange(1, 17))
+    cm.close()
+
+
+def test_shutdown_flushes_the_storage_writes(model_dirs, tmp_path):
+    """Storage writes are queued in the background; Engine.shutdown waits for them, so the pages
+    are there for the next engine. A backend that holds every write until released shows it."""
+    from engine.hicache.storage import STORAGE_BACKENDS, register_storage_backend
+
+    gate = threading.Event()
+
+    class HeldFiles(FileStorageBackend):
+        def put(self, key: str, data: bytes) -> None:
+            gate.wait(10)
+            super().put(key, data)
+
+    register_storage_backend("held-file", HeldFiles)
+    try:
+        with pytest.raises(ConfigError, match="unknown hicache_storage_backend"):
+            _engine(model_dirs["llama"], 64, None, **_tier_kwargs(tmp_path, backend="nope"))
+        eng = _engine(model_dirs["llama"], 64, None, **_tier_kwargs(tmp_path, backend="held-file"))
+        eng.generate(input_ids=list(range(3, 43)), sampling_params=GREEDY)
+        assert _page_files(tmp_path) == []  # queued, held
+        threading.Timer(0.1, gate.set).start()
+        eng.shutdown()
+        assert len(_page_files(tmp_path)) == 2  # 40 prompt tokens + 3 outputs: two 16-token pages
+        assert eng.stats().hicache.storage_pages_written == 2
+    finally:
+        gate.set()
+        STORAGE_BACKENDS.pop("held-file", None)
+
+
+def _tier_kwargs(path: Path, backend: str) -> dict:
+    return {
+        "enable_hierarchical_cache": True,
+        "hicache_storage_backend": backend,
+        "hicache_storage_path": str(path),
+        "hicache_storage_page_size": 16,
+    }
