@@ -34,6 +34,9 @@ Cases (same machine, same weights, float32, greedy, ignore_eos):
               split prefill; the ITL distributions as a PNG (engine/bench_split.py).
   dllm        the built-in block-diffusion model (blocks of 4): tokens per DLLM_EXTEND forward and
               tok/s at batch 1 and 8 for LowConfidence thresholds 0.95, 0.5 and 0 (engine/bench_dllm.py).
+  hicache     a multi-turn chat trace and the churn trace: pool only vs host tier vs host + file
+              storage (hit rate, prefill tokens computed, TTFT p50/p90, a PNG), and the eviction
+              policies replayed on both (engine/bench_hicache.py).
   tp          tensor parallelism: TP=2 over two CPU ranks (one thread each) vs one rank with two
               threads, decode tok/s at batch 1, 8, 32 and the time per step in collectives
               (engine/bench_tp.py).
@@ -63,6 +66,7 @@ from engine.bench_common import (
     run_engine,
 )
 from engine.bench_dllm import case_dllm
+from engine.bench_hicache import case_hicache
 from engine.bench_quant import case_quant
 from engine.bench_split import case_split
 from engine.bench_tp import case_tp
@@ -459,7 +463,7 @@ def case_roofline_bs1(path: str, scale: float) -> None:
 CASES = {"mixed": case_mixed, "prefill": case_prefill, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
          "overlap": case_overlap, "linear": case_linear, "spec": case_spec, "structured": case_structured,
          "roofline_bs1": case_roofline_bs1, "quant": case_quant, "split": case_split,
-         "dllm": case_dllm, "tp": case_tp}
+         "dllm": case_dllm, "tp": case_tp, "hicache": case_hicache}
 
 
 def main(argv: list[str] | None = None) -> None:
