@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import ray
 
+import actors.hicache_store  # noqa: F401  (registers the "ray" HiCache storage backend)
 from actors.dp_coordinator import DPMember
 from actors.kv_link import KVLink, LinkAddress, PrefillLinks
 from actors.kv_transfer import RayPrefillSource, kv_bytes, payload_meta, payload_to_wire
@@ -30,7 +31,7 @@ from actors.protocol import (
 from actors.stats import DPMemberStats, EngineActorStats
 from actors.tp_worker import TPGang
 from engine import Engine, EngineConfig, InvalidRequestError, StreamDelta
-from engine.cache_manager import KVEvent
+from engine.cache_manager import MEDIUMS, KVEvent
 from engine.disaggregation import KVFetch, KVPoll, LocalKVChannel, submit_prefill
 from engine.engine import EngineStats
 from engine.logs import log_to_stderr
@@ -168,7 +169,7 @@ class EngineActor:
         self._kv_links: PrefillLinks | None = None  # a prefill engine's p2p links (on first use)
         # Evicted radix paths, for the routers' cache-aware trees (each reads them by heartbeat()).
         self._evicted = EvictionLog()
-        self.engine.scheduler.cache.subscribe(self._on_kv_event)
+        self.engine.scheduler.cache.subscribe(self._on_kv_event, MEDIUMS)
         # Multiplexed output channels (see outputs()), one per consumer (a front end): the
         # deltas of every request it submitted, drained per yield.
         self._outboxes: dict[str, _Channel] = {}
@@ -228,7 +229,8 @@ class EngineActor:
         finished = False
         try:
             self.engine.submit(req.input_ids, req.sampling_params,
-                               lambda d: loop.call_soon_threadsafe(queue.put_nowait, d), rid=req.rid)
+                               lambda d: loop.call_soon_threadsafe(queue.put_nowait, d), rid=req.rid,
+                               priority=req.priority)
         except InvalidRequestError as e:
             finished = True
             yield encode(_invalid(req.rid, len(req.input_ids), e))
@@ -244,7 +246,7 @@ class EngineActor:
 
     def _on_kv_event(self, event: KVEvent) -> None:
         """Engine thread, under the step lock (so kv_snapshot() sees a consistent seq)."""
-        if event.kind == "removed":
+        if event.kind == "removed" and event.medium == "device":
             self._evicted.append(event.token_ids[:event.start + 1])
         with self._kv_lock:
             self._kv_seq += 1
@@ -278,8 +280,9 @@ class EngineActor:
         with self.engine.between_steps():  # no step mutates the tree meanwhile
             with self._kv_lock:
                 seq = self._kv_seq
-            return encode(KVSnapshot(self.incarnation, seq, self.engine.scheduler.cache.snapshot(),
-                                     self.engine.queued_prompts()))
+            cache = self.engine.scheduler.cache
+            return encode(KVSnapshot(self.incarnation, seq, cache.snapshot(), self.engine.queued_prompts(),
+                                     cache.snapshot("host")))
 
     def debug_fail_prefills(self, faults: list[str]) -> None:
         """Fault injection for tests: the next prefill_kv calls, one fault each: "exit" (this
@@ -324,7 +327,7 @@ class EngineActor:
         if self.kv_source is not None and req.prefill_engine:
             self.kv_source.hint(req.rid, req.prefill_engine)
         try:
-            self.engine.submit(req.input_ids, req.sampling_params, sink, rid=req.rid)
+            self.engine.submit(req.input_ids, req.sampling_params, sink, rid=req.rid, priority=req.priority)
         except InvalidRequestError as e:
             sink(_invalid(req.rid, len(req.input_ids), e))
         return self.incarnation

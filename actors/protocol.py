@@ -13,6 +13,7 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     input_ids: list[int]
     sampling_params: SamplingParams
     prefill_engine: str = ""  # to a decode engine: the prefill engine actor (its name) the front end chose
+    priority: int = 0  # vLLM's request priority (lower = more important): the `priority` eviction policy reads it
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -45,6 +46,7 @@ class KVSnapshot(msgspec.Struct, frozen=True, array_like=True):
     seq: int
     paths: list[list[int]]
     queued: list[list[int]] = []
+    host_paths: list[list[int]] = []  # the host tier's paths (engine/hicache), for the router's tier-weighted scores
 
 
 class Evictions(msgspec.Struct, frozen=True, array_like=True):
