@@ -63,12 +63,23 @@ MODEL_CONFIGS = {
 }
 
 
+RAY_DIRS = ("ray", "serve")  # tests/ray, tests/serve: they start Ray (and Serve) clusters
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    # Under pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) every test that
+    # starts Ray runs on one worker, in order, sharing its session's Ray and Serve instances,
+    # while the other worker runs the rest: the Ray tests mostly wait (actors starting, streams,
+    # drains), so the two halves overlap instead of adding up.
+    for item in items:
+        parts = item.path.relative_to(config.rootpath).parts
+        if (len(parts) > 1 and parts[0] == "tests" and parts[1] in RAY_DIRS) or "ray_local" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
