@@ -155,11 +155,11 @@ class Cluster:
 
     # ---- requests --------------------------------------------------------------------------
     def stream_ids(self, input_ids: list[int], params: SamplingParams,
-                   rid: str | None = None) -> AsyncIterator[StreamDelta]:
+                   rid: str | None = None, priority: int = 0) -> AsyncIterator[StreamDelta]:
         """Route one validated request and stream its deltas (request_stream.stream_request):
         re-routed if its engine dies before a token was streamed, an explicit error if after;
         closing the stream early aborts the request on its engine."""
-        return stream_request(input_ids, params, rid, config=self.config, lock=self._lock, router=self.router,
+        return stream_request(input_ids, params, rid, priority=priority, config=self.config, lock=self._lock, router=self.router,
                               channels=self.channels, engines=self.engines, consumer=self.consumer,
                               send_abort=self._send_abort)
 

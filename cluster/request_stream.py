@@ -33,7 +33,7 @@ def engine_is_gone(error: ray.exceptions.RayError) -> bool:
     return isinstance(getattr(error, "cause", None), EngineDeadError)
 
 
-async def stream_request(input_ids: list[int], params: SamplingParams, rid: str | None, *,
+async def stream_request(input_ids: list[int], params: SamplingParams, rid: str | None, *, priority: int = 0,
                          config: ClusterConfig, lock: threading.Lock, router: Router, channels: Channels,
                          engines: list, consumer: str,
                          send_abort: Callable[[int, str], None]) -> AsyncIterator[StreamDelta]:
@@ -52,7 +52,7 @@ async def stream_request(input_ids: list[int], params: SamplingParams, rid: str 
     n_prompt = len(input_ids)
     cost = n_prompt + params.max_new_tokens
     try:
-        payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params))
+        payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params, priority=priority))
     except (OverflowError, TypeError, ValueError) as e:
         yield StreamDelta.aborted(rid, error=f"invalid request: {e}", kind="invalid_request", prompt_tokens=n_prompt)
         return
@@ -85,7 +85,7 @@ async def stream_request(input_ids: list[int], params: SamplingParams, rid: str 
                 return
             if prefill is not None:  # the decode engine fetches the KV from this one
                 payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params,
-                                                 prefill_engine=engines[prefill].name))
+                                                 prefill_engine=engines[prefill].name, priority=priority))
 
             def prefill_done() -> None:  # its part ends with the first token (or the request)
                 nonlocal prefill

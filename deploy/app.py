@@ -285,7 +285,7 @@ class OpenAIServer:
         return None
 
     async def _merged(self, rid: str, choices: list[tuple[list[int], SamplingParams]],
-                      watch: ClientWatch) -> AsyncIterator[tuple[int, StreamDelta]]:
+                      watch: ClientWatch, priority: int = 0) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Stream several choices (prompt ids, sampling) at once: (choice index, delta) as they
         come; every choice ends with a final delta, whatever stream_ids does. Raises
         ClientDisconnected when `watch` cancels us (the client went away): cancelling our task
@@ -301,7 +301,7 @@ class OpenAIServer:
             if len(choices) == 1:  # straight from stream_ids: no task or queue per delta
                 ids, params = choices[0]
                 try:
-                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[0])) as deltas:
+                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[0], priority)) as deltas:
                         async for d in deltas:
                             if d.error:
                                 log.warning("request %s ended with an error (%s): %s", rids[0], d.error_kind, d.error)
@@ -313,7 +313,7 @@ class OpenAIServer:
 
             async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
                 try:
-                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[i])) as deltas:
+                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[i], priority)) as deltas:
                         async for d in deltas:
                             queue.put_nowait((i, d))
                 except Exception as e:
@@ -561,7 +561,7 @@ class OpenAIServer:
         per_choice: list[list[StreamDelta]] = [[] for _ in choices]
         watch = ClientWatch(request.receive)
         try:
-            async with contextlib.aclosing(self._merged(rid, choices, watch)) as merged:
+            async with contextlib.aclosing(self._merged(rid, choices, watch, req.priority)) as merged:
                 async for i, d in merged:
                     if not per_choice[i] and d.token_ids:
                         self.metrics.ttft.observe(time.monotonic() - t0)
@@ -621,7 +621,7 @@ class OpenAIServer:
         last_write = time.monotonic()
         failure: Exception | None = None
         try:
-            async with contextlib.aclosing(self._merged(rid, choices, watch)) as merged:
+            async with contextlib.aclosing(self._merged(rid, choices, watch, req.priority)) as merged:
                 async for i, d in merged:
                     lasts[i] = d
                     now = time.monotonic()
