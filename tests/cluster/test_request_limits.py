@@ -175,7 +175,7 @@ async def _events(server, failure: BaseException) -> list[bytes]:
     from engine.engine import StreamDelta
     from openai_api.outputs import RequestOutput
 
-    async def merged(rid, choices, watch):  # the first token, then a failure (injected)
+    async def merged(rid, choices, watch, priority=0):  # the first token, then a failure (injected)
         yield 0, StreamDelta(rid="r-0", text="hi", token_ids=[1], prompt_tokens=1, completion_tokens=1)
         raise failure
 
