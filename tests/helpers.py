@@ -66,3 +66,16 @@ async def finals_after(cl: Cluster, prompts: list[str], params: SamplingParams, 
     assert not any(t.done() for t in tasks), "a request ended before the action: make them longer"
     action()
     return await asyncio.wait_for(asyncio.gather(*tasks), timeout=timeout_s)
+
+
+def tree_paths(cache) -> set[tuple[int, ...]]:
+    """Every leaf's token path in a RadixCache, walked here (not with the cache's own methods):
+    the property tests' view of what the tree holds."""
+    paths, stack = set(), [(cache.root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        path = prefix + tuple(node.key)
+        if not node.children and node is not cache.root:
+            paths.add(path)
+        stack.extend((c, path) for c in node.children.values())
+    return paths

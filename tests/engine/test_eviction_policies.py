@@ -19,6 +19,7 @@ from engine.radix_cache import RadixCache
 from engine.req import Req
 from engine.sampling import SamplingParams
 from tests.engine.test_radix_cache import longest_cached_prefix
+from tests.helpers import tree_paths
 
 POOL = 120
 DEV = torch.device("cpu")
@@ -35,17 +36,6 @@ ops = st.lists(
     ),
     max_size=60,
 )
-
-
-def tree_paths(cache: RadixCache) -> set[tuple[int, ...]]:
-    paths, stack = set(), [(cache.root, ())]
-    while stack:
-        node, prefix = stack.pop()
-        path = prefix + tuple(node.key)
-        if not node.children and node is not cache.root:
-            paths.add(path)
-        stack.extend((c, path) for c in node.children.values())
-    return paths
 
 
 def test_registry_names_and_errors():

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from engine.memory import TokenToKVPoolAllocator
 from engine.radix_cache import RadixCache
 from engine.token_trie import common_prefix_len
+from tests.helpers import tree_paths
 
 POOL = 400
 DEV = torch.device("cpu")
@@ -68,15 +69,7 @@ def test_radix_cache_matches_reference(script):
         elif op == "evict":
             cache.evict(arg)
             # Rebuild the reference from what the tree still holds.
-            paths = set()
-            stack = [(cache.root, ())]
-            while stack:
-                node, prefix = stack.pop()
-                path = prefix + tuple(node.key)
-                if not node.children and node is not cache.root:
-                    paths.add(path)
-                stack.extend((c, path) for c in node.children.values())
-            stored = dict.fromkeys(paths, 1)
+            stored = dict.fromkeys(tree_paths(cache), 1)
             # Locked prefixes are never evicted.
             for node, _ in locks:
                 assert node.lock_ref > 0
