@@ -10,14 +10,29 @@ With the hierarchical cache (engine/hicache) events name their tier (`KVEvent.me
 engine the index keeps what its KV pool holds ("device") and what its host tier holds ("host": a
 load away), and, once for every engine, what the shared storage tier holds ("storage": any
 engine that reaches it loads those pages; never removed by events, so that view is bounded and
-forgotten when full: a forgotten prefix only looks like a recompute to the router)."""
+forgotten when full: a forgotten prefix only looks like a recompute to the router).
+
+A LoRA adapter's KV is shared only under that adapter (events name it: `KVEvent.lora_name`): the
+index files an adapter's paths under a root token of its own (`adapter_path`), so a match for one
+adapter (or the base model) never counts another's."""
 
 from __future__ import annotations
+
+import zlib
 
 import msgspec
 
 from actors.protocol import KVEventBatch, KVSnapshot
 from engine.token_trie import descend
+
+
+def adapter_path(tokens: list[int], lora_name: str | None) -> list[int]:
+    """The index's path of `tokens` under LoRA adapter `lora_name`: the tokens themselves for the
+    base model, else behind a negative root token named by the adapter (token ids are never
+    negative)."""
+    if lora_name is None:
+        return tokens
+    return [-1 - zlib.crc32(lora_name.encode()), *tokens]
 
 
 class _Node:
@@ -191,16 +206,18 @@ class KVIndex:
             if seq > view.next_seq:
                 view.stale = True
                 return False
+            lora = getattr(event, "lora_name", None)
+            path = adapter_path(event.token_ids, lora)
             if event.kind == "stored":
-                self._tier(view, event.medium).insert(event.token_ids)
+                self._tier(view, event.medium).insert(path)
                 if self.storage.size > self.storage_capacity:
                     self.storage = CachedPaths()
             elif event.kind == "removed":
-                self._tier(view, event.medium).remove(event.token_ids, event.start)
+                self._tier(view, event.medium).remove(path, event.start + (lora is not None))
             elif event.kind == "queued":
-                view.queued.add(event.token_ids)
+                view.queued.add(path)
             else:
-                view.queued.discard(event.token_ids)
+                view.queued.discard(path)
             view.next_seq = seq + 1
             self.events_applied[engine] += 1
         return True
@@ -228,10 +245,15 @@ class KVIndex:
         """The engine is gone or restarting: it holds nothing we know of."""
         self.views[engine] = _EngineView()
 
-    def match(self, engine: int, tokens: list[int]) -> int:
-        """Leading tokens the engine holds in its cache (0 while its view is stale)."""
+    def match(self, engine: int, tokens: list[int], lora_name: str | None = None) -> int:
+        """Leading tokens the engine holds in its cache under LoRA adapter `lora_name` (None:
+        the base model); 0 while its view is stale."""
         view = self.views[engine]
-        return 0 if view.stale else view.paths.match(tokens)
+        if view.stale:
+            return 0
+        if lora_name is None:
+            return view.paths.match(tokens)
+        return max(view.paths.match(adapter_path(tokens, lora_name)) - 1, 0)
 
     def match_with_in_flight(self, engine: int, tokens: list[int]) -> int:
         """Leading tokens the engine holds or is computing for a request in flight: one it

@@ -54,6 +54,23 @@ class KVEvent(msgspec.Struct, frozen=True, array_like=True):
     token_ids: list[int]
     start: int = 0
     medium: Medium = "device"
+    # The LoRA adapter whose KV this is (None: the base model): a prefix is shared only under the
+    # same adapter, so an index keys its paths by it too.
+    lora_name: str | None = None
+
+
+# A LoRA request's radix key is its token ids offset by its adapter load's id times this: keys of
+# different adapters never share a first token, so never a prefix (and ids stay within int64).
+LORA_KEY_SHIFT = 1 << 32
+
+
+def lora_key(req: Req, ids: list[int]) -> list[int]:
+    """The radix key of `ids` (a prefix of the request's tokens) in the request's adapter's
+    namespace (the ids themselves for the base model)."""
+    if not req.lora_id:
+        return ids
+    offset = req.lora_id * LORA_KEY_SHIFT
+    return [t + offset for t in ids]
 
 
 class PrefixCache(Protocol):
@@ -111,6 +128,9 @@ class CacheManager:
         self.tree: PrefixCache = RadixCache(allocator) if share_prefixes else NoRadixCache(allocator)
         self.hicache: HiRadixCache | None = None
         self._subscribers: list[tuple[Callable[[KVEvent], None], frozenset[str]]] = []
+        # A LoRA adapter load's id -> its name (the scheduler sets it when LoRA is on): KV events
+        # name the adapter of a namespaced path.
+        self.lora_name_of: Callable[[int], str | None] | None = None
         # Per request, the tokens of its last match that were loaded from the host tier and, of
         # those, from storage: counted per tier when its prefill starts (`_admitted`).
         self._loaded: weakref.WeakKeyDictionary[Req, tuple[int, int]] = weakref.WeakKeyDictionary()
@@ -168,7 +188,7 @@ class CacheManager:
         """Match the cache, leaving at least one token to compute (its logits are needed). A
         request that needs every prompt position's logits matches nothing."""
         fill = req.fill_ids
-        key = [] if req.needs_prompt_logits else fill[:len(fill) - 1]
+        key = [] if req.needs_prompt_logits else lora_key(req, fill[:len(fill) - 1])
         if self.hicache is not None:
             # The host (and storage) part is loaded into device slots now; the tree holds them
             # (evictable until the request is admitted and locks them), so the budget is unchanged.
@@ -259,7 +279,7 @@ class CacheManager:
     def _insert(self, req: Req) -> torch.Tensor:
         """Offer the request's computed KV to the cache; free its duplicates of cached slots."""
         slots = self.kv_indices(req)
-        have = self.tree.insert(req.fill_ids[:req.kv_len], slots, request_priority(req))
+        have = self.tree.insert(lora_key(req, req.fill_ids[:req.kv_len]), slots, request_priority(req))
         if have > req.cache_protected_len:
             self.allocator.free(slots[req.cache_protected_len:have])
         return slots
@@ -278,7 +298,7 @@ class CacheManager:
             req.prefix_indices, req.cache_protected_len = self.kv_indices(req), 0
             return
         self._insert(req)
-        new_indices, new_node = self.tree.match_prefix(req.fill_ids[:req.kv_len])
+        new_indices, new_node = self.tree.match_prefix(lora_key(req, req.fill_ids[:req.kv_len]))
         start = req.cache_protected_len
         self.req_to_token_pool.write(req.req_pool_idx, start, new_indices[start:])
         self.tree.inc_lock_ref(new_node)
@@ -305,32 +325,46 @@ class CacheManager:
         if unknown:
             raise ValueError(f"unknown KV event mediums {sorted(unknown)}; known: {MEDIUMS}")
         self._subscribers.append((callback, frozenset(mediums)))
-        self.tree.on_event = self._publish  # paths are computed only once someone listens
+        self.tree.on_event = self._publish_path  # paths are computed only once someone listens
         if self.hicache is not None:
             self.hicache.tier_events = self._tier_events()
 
     def _tier_events(self) -> bool:
         return any(mediums - {"device"} for _, mediums in self._subscribers)
 
-    def publish(self, kind: str, token_ids: list[int], start: int = 0) -> None:
+    def publish(self, kind: str, token_ids: list[int], start: int = 0, lora_name: str | None = None) -> None:
         """Send an event to the subscribers (none: nothing is built)."""
         if self._subscribers:
-            self._publish(kind, token_ids, start)
+            self._publish(kind, token_ids, start, lora_name=lora_name)
 
-    def _publish(self, kind: str, token_ids: list[int], start: int, medium: str = "device") -> None:
+    def _publish_path(self, kind: str, key: list[int], start: int, medium: str = "device") -> None:
+        """A tree's event: a LoRA namespace's key goes out as token ids and the adapter's name."""
+        lora_id = key[0] // LORA_KEY_SHIFT if key else 0
+        if not lora_id:
+            self._publish(kind, key, start, medium)
+            return
+        name = self.lora_name_of(lora_id) if self.lora_name_of is not None else None
+        offset = lora_id * LORA_KEY_SHIFT
+        self._publish(kind, [t - offset for t in key], start, medium, name or f"lora-{lora_id}")
+
+    def _publish(self, kind: str, token_ids: list[int], start: int, medium: str = "device",
+                 lora_name: str | None = None) -> None:
         event = None
         for callback, mediums in self._subscribers:
             if medium in mediums or kind in ("queued", "done"):
                 if event is None:
-                    event = KVEvent(kind, token_ids, start, medium)
+                    event = KVEvent(kind, token_ids, start, medium, lora_name)
                 callback(event)
 
     def snapshot(self, medium: str = "device") -> list[list[int]]:
         """Every token path the cache holds in tier `medium` ("device" or "host"; its leaves'
-        paths), for a subscriber that resyncs. The storage tier is shared: no engine lists it."""
+        paths), for a subscriber that resyncs. The storage tier is shared: no engine lists it.
+        Base-model paths only: LoRA adapters' KV is announced by events alone."""
         if medium == "device":
-            return self.tree.leaf_paths()
-        return self.hicache.host_leaf_paths() if self.hicache is not None else []
+            paths = self.tree.leaf_paths()
+        else:
+            paths = self.hicache.host_leaf_paths() if self.hicache is not None else []
+        return [p for p in paths if not p or p[0] < LORA_KEY_SHIFT]
 
     # ---- integrity ---------------------------------------------------------------------------
     def check_idle(self) -> None:

@@ -16,7 +16,10 @@ from engine.grammar import grammar_backend_class
 from engine.hicache.config import DEFAULTS as HICACHE
 from engine.hicache.config import HiCacheConfig, PrefetchPolicy, WritePolicy
 from engine.limits import RequestLimits
+from engine.lora.config import LoRAConfig, LoRAPath
 from engine.model_path import resolve_model_path
+
+LORA = LoRAConfig()  # the LoRA fields' defaults
 
 SchedulePolicy = Literal["fcfs", "lpm"]
 SpeculativeAlgorithm = Literal["ngram", "draft_model"]
@@ -258,6 +261,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Which unlocked radix nodes are evicted first, in every tier: lru, lfu, slru, priority (the
     # requests' priority: a higher value goes first), cost_aware (recompute cost per slot x reuse).
     radix_eviction_policy: str = HICACHE.radix_eviction_policy
+    # LoRA adapters (engine/lora; checks: LoRAConfig). Adapters loaded at start: name -> PEFT folder,
+    # or {"lora_path": folder, "pinned": true} (never evicted); a JSON object on the command line.
+    lora_paths: dict[str, str | LoRAPath] = {}
+    enable_lora: bool = False  # serve LoRA adapters, loaded at run time too (on whenever lora_paths is given)
+    max_loras_per_batch: int = LORA.max_loras_per_batch  # the most distinct adapters in one batch (device slots; base-model requests take none)
+    # adapters held in host memory (past it the least recently used idle unpinned one is dropped,
+    # read again when needed); None: max(len(lora_paths), max_loras_per_batch)
+    max_loaded_loras: int | None = None
+    max_lora_rank: int | None = None  # the largest adapter rank the slots hold; None: the largest in lora_paths (16 without any)
+    # projections given adapter slots, separated by commas or spaces (q_proj k_proj v_proj o_proj
+    # gate_proj up_proj down_proj, or all); None: the union of lora_paths' targets (all without any)
+    lora_target_modules: str | None = None
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves LoRA adapters (enable_lora or any lora_paths)."""
+        return self.enable_lora or bool(self.lora_paths)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -309,6 +329,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             # Rank 0 holds the cache, but only its share of the KV heads.
             need(self.tp_size == 1, "enable_hierarchical_cache is not supported with tp_size > 1")
         grammar_backend_class(self.grammar_backend, self.constrained_json_whitespace_pattern)  # ConfigError
+        LoRAConfig.from_engine_config(self)  # ConfigError
+        if self.lora_enabled:
+            need(self.tp_size == 1, "LoRA adapters (lora_paths, enable_lora) are not supported with tp_size > 1 yet")
+            need(self.disaggregation_mode == "null",
+                 "LoRA adapters (lora_paths, enable_lora) are not supported with disaggregation_mode yet")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

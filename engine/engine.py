@@ -30,6 +30,7 @@ from engine.forward_batch import ForwardMode
 from engine.hicache.config import model_identity
 from engine.hicache.hiradix_cache import HiCacheStats
 from engine.inputs import InputProcessor
+from engine.lora import LoRAAdapterError, LoRAConfig, LoRAManager, UnknownLoRAError
 from engine.model_path import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.req import Req
@@ -153,6 +154,10 @@ class Engine:
         self.tokenizer = Tokenizer(self.model_path)
         self.model_runner = ModelRunner(self.config, self.model_path, mlp_shard)
         self.model_config = self.model_runner.model_config
+        # The adapters (before the scheduler, which admits requests by them); None: LoRA off.
+        self.lora: LoRAManager | None = None
+        if self.config.lora_enabled:
+            self.lora = self.model_runner.init_lora(LoRAConfig.from_engine_config(self.config))
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -203,12 +208,13 @@ class Engine:
     # ---- submission ------------------------------------------------------------------------
     def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict | None,
                sink: Callable[[StreamDelta], None], rid: str | None = None,
-               kv_sender: KVSender | None = None, priority: int = 0) -> str:
+               kv_sender: KVSender | None = None, priority: int = 0, lora_name: str | None = None) -> str:
         """Validate and queue one request; its deltas go to `sink` (called on the step thread).
         A prefill engine's requests come from decode engines, each with the `kv_sender` its KV
         goes through; such a request ends with finish_reason "transferred" once it is sent.
         `priority`: vLLM's request priority (lower = more important), read by the `priority`
-        eviction policy."""
+        eviction policy. `lora_name`: the LoRA adapter to run under (None: the base model;
+        UnknownLoRAError if it is not loaded)."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead}")
         if (self.config.disaggregation_mode == "prefill") != (kv_sender is not None):
@@ -218,12 +224,14 @@ class Engine:
         self.inputs.validate_priority(priority)
         self.inputs.validate_input_ids(input_ids)
         self.inputs.validate_request(len(input_ids), params)
+        lora_id = self._lora_id(lora_name)
         rid = rid or uuid.uuid4().hex
         gen = None
         if not params.is_greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             gen = torch.Generator(device=self.model_runner.device).manual_seed(seed)
         req = Req(rid, list(input_ids), params, gen, priority)
+        req.lora_name, req.lora_id = lora_name, lora_id
         req.grammar = self.inputs.grammar_matcher(params)  # (compiled by the validation above: cached)
         req.kv_sender = kv_sender
         if params.min_tokens:
@@ -236,6 +244,40 @@ class Engine:
         if self.on_work is not None:
             self.on_work()
         return rid
+
+    def _lora_id(self, name: str | None) -> int:
+        """The id of adapter `name`'s current load (0: the base model); UnknownLoRAError."""
+        if name is None:
+            return 0
+        if not isinstance(name, str):
+            raise InvalidRequestError(f"lora_name must be a string, got {name!r}", "model")
+        if self.lora is None:
+            raise UnknownLoRAError(name)
+        return self.lora.adapter_id(name)
+
+    # ---- LoRA adapters at run time --------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Read, validate and serve the PEFT adapter in folder `path` as `name` (LoRAAdapterError:
+        a bad adapter, a name in use, no host room; the engine is unchanged then). `pinned`: never
+        evicted. Needs enable_lora (or lora_paths)."""
+        if self.lora is None:
+            raise LoRAAdapterError(name, "this engine serves no LoRA adapters (start it with enable_lora)")
+        if not name or not isinstance(name, str) or "=" in name:
+            raise LoRAAdapterError(str(name), "bad adapter name")
+        with self._step_lock:  # the manager belongs to the step thread
+            self.lora.load_adapter(name, path, pinned=pinned)
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving adapter `name`: new requests naming it fail (UnknownLoRAError); its running
+        requests finish with it. True if it is gone now, False if it goes when they end."""
+        if self.lora is None:
+            raise UnknownLoRAError(name)
+        with self._step_lock:
+            return self.lora.unload_adapter(name)
+
+    def lora_adapters(self) -> list[str]:
+        """The adapters requests may name."""
+        return self.lora.names() if self.lora is not None else []
 
     def _notify(self) -> None:
         """Wake the loop (any thread): a KV transfer changed state."""
@@ -268,7 +310,7 @@ class Engine:
                     item.sink(self._error_delta(item.req, "aborted before it started", "aborted"))
                     continue
                 self._trackers[rid] = item
-                self.scheduler.cache.publish("queued", item.req.origin_input_ids)
+                self.scheduler.cache.publish("queued", item.req.origin_input_ids, lora_name=item.req.lora_name)
                 self.scheduler.add_request(item.req)
             elif item[0] in self.scheduler.reqs:
                 self.scheduler.abort_request(*item)
@@ -331,7 +373,7 @@ class Engine:
     def _untrack(self, req: Req) -> None:
         """The request ended here (under the step lock): its tracker goes, its "queued" is done."""
         self._trackers.pop(req.rid, None)
-        self.scheduler.cache.publish("done", req.origin_input_ids)
+        self.scheduler.cache.publish("done", req.origin_input_ids, lora_name=req.lora_name)
 
     def _new_delta(self, req: Req, tr: _Tracker) -> StreamDelta | None:
         new = req.output_ids[tr.sent_tokens:]
@@ -427,13 +469,20 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: Any = None,
                  input_ids: list[int] | list[list[int]] | None = None,
                  messages: list[dict] | None = None,
-                 priority: int | list[int] = 0) -> GenerateOutput | list[GenerateOutput]:
+                 priority: int | list[int] = 0,
+                 lora_name: str | None | list[str | None] = None) -> GenerateOutput | list[GenerateOutput]:
         """priority: vLLM's request priority (lower = more important), one for every prompt or
-        one per prompt."""
+        one per prompt. lora_name: the LoRA adapter (None: the base model), one for every prompt or
+        one per prompt; an unknown one raises UnknownLoRAError before any request starts."""
         prompts, params, single = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
         priorities = priority if isinstance(priority, list) else [priority] * len(prompts)
         if len(priorities) != len(prompts):
             raise InvalidRequestError("priority list must match the number of prompts", "priority")
+        names = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        if len(names) != len(prompts):
+            raise InvalidRequestError("lora_name list must match the number of prompts", "model")
+        for name in dict.fromkeys(names):
+            self._lora_id(name)  # every name checked before any request is queued
         results: dict[str, list[StreamDelta]] = {}
         done = queue.SimpleQueue()
 
@@ -443,20 +492,20 @@ class Engine:
                 done.put(delta.rid)
 
         rids = []
-        for ids, p, prio in zip(prompts, params, priorities):
+        for ids, p, prio, name in zip(prompts, params, priorities, names):
             rid = f"{next(self._rid_counter)}-{uuid.uuid4().hex[:8]}"
             results[rid] = []
-            rids.append(self.submit(ids, p, sink, rid=rid, priority=prio))
+            rids.append(self.submit(ids, p, sink, rid=rid, priority=prio, lora_name=name))
         self._wait(done, len(rids))
         outs = [collect_output(rid, results[rid]) for rid in rids]
         return outs[0] if single else outs
 
     def stream(self, prompt: str | None = None, sampling_params: Any = None,
                input_ids: list[int] | None = None, messages: list[dict] | None = None,
-               priority: int = 0) -> Iterator[StreamDelta]:
+               priority: int = 0, lora_name: str | None = None) -> Iterator[StreamDelta]:
         prompts, params, _ = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
         q: queue.SimpleQueue = queue.SimpleQueue()
-        rid = self.submit(prompts[0], params[0], q.put, priority=priority)
+        rid = self.submit(prompts[0], params[0], q.put, priority=priority, lora_name=lora_name)
         finished = False
         try:
             while True:

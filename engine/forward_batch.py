@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.schedule_batch import ScheduleBatch
+    from kernels.lora import LoRABatchInfo
 
 
 class ForwardMode(IntEnum):
@@ -91,6 +92,9 @@ class ForwardBatch:
     # hidden]) carried from one split to the next; None before the first and after the last.
     split_index: int = 0
     hidden_states: torch.Tensor | None = None
+    # The rows' LoRA adapters (kernels.lora segments over the token rows, built with the batch
+    # from each request's lora_name); None when no request of the batch names an adapter.
+    lora_info: LoRABatchInfo | None = None
 
     def resolve_forward_inputs(self, device: torch.device) -> None:
         """Copy the host-staged inputs to the device, on the current (forward) stream. The
@@ -122,7 +126,8 @@ class ForwardBatch:
         return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=self.num_tokens, input_ids=self.input_ids,
                             seq_lens=seq_lens, out_cache_loc=self.out_cache_loc, req_pool_indices=rows,
                             positions=self.positions, seq_lens_cpu=seq_lens.tolist(),
-                            last_token_indices=torch.arange(self.num_tokens, device=self.positions.device))
+                            last_token_indices=torch.arange(self.num_tokens, device=self.positions.device),
+                            lora_info=self.lora_info)  # the same rows in the same order
 
     @property
     def num_tokens(self) -> int:
@@ -163,4 +168,11 @@ class ForwardBatch:
                     for j in (range(s, s + n) if r.needs_prompt_logits else (s + n - 1,))])
             else:
                 fb.last_token_indices = torch.tensor([s + n - 1 for s, n in zip(starts, ext)])
+        lora = batch.lora_manager
+        if lora is not None and not mode.is_idle():
+            names = [getattr(r, "lora_name", None) for r in batch.reqs]
+            if any(n is not None for n in names):
+                # Slots are assigned here, on the scheduler thread, as the batch is launched.
+                rows = None if mode.is_decode() else batch.extend_lens
+                fb.lora_info = lora.batch_info(names, rows)
         return fb

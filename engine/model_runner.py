@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from engine.tp.comm import TPGroup
 from engine.tp.layout import TPLayout
 from kernels import cpu_kernels
 from kernels.cpu_linear import LinearKind, native_linear_works, onednn_linear_works
+
+if TYPE_CHECKING:
+    from engine.lora import LoRAConfig, LoRAManager
 
 log = logging.getLogger("radixray.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -175,6 +179,29 @@ class ModelRunner:
         self._tp_lock = threading.Lock()
         self.tp_mirror = (ReqToTokenMirror(self.req_to_token_pool.req_to_token)
                           if self.tp_size > 1 and tp_rank == 0 else None)
+        self.mlp_shard = mlp_shard
+        self.lora_manager: LoRAManager | None = None  # init_lora
+
+    def init_lora(self, lora_config: LoRAConfig) -> LoRAManager:
+        """The serving model's adapters: a LoRAManager (adapters in lora_config.lora_paths read and
+        validated now) whose slots the model's projections read. The Engine calls this for its own
+        runner only (a draft model runs without adapters). ConfigError for what does not compose
+        with LoRA yet."""
+        from engine.lora import LoRAManager
+
+        if self.tp_size > 1:
+            raise ConfigError("LoRA adapters with tp_size > 1 are not supported yet")
+        if self.mlp_shard[1] > 1:
+            raise ConfigError("LoRA adapters with attention-DP (enable_dp_attention) are not supported yet")
+        if self.model_config.is_dllm:
+            raise ConfigError("LoRA adapters on a block-diffusion model are not supported yet")
+        attach = getattr(self.model, "attach_lora", None)
+        if attach is None:
+            raise ConfigError(f"{type(self.model).__name__} cannot take LoRA adapters yet")
+        manager = LoRAManager(lora_config, self.model_config, self.dtype, self.device)
+        attach(manager.weights)
+        self.lora_manager = manager
+        return manager
 
     def _tp_group(self, group: TPGroup | None, mlp_shard: tuple[int, int]) -> TPGroup:
         """The engine's TPGroup (a single-rank one when tp_size is 1); ConfigErrors for what does
@@ -276,7 +303,8 @@ class ModelRunner:
 
     def run_forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """`forward` without sending the batch to the other ranks (what they run it with)."""
-        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+        # Graphs are captured without adapters: a batch with adapter rows runs eagerly.
+        if self.graph_runner is not None and fb.lora_info is None and self.graph_runner.can_run(fb):
             logits = self.graph_runner.replay(fb)
             if logits is not None:  # None: a CPU graph that failed to compile; eager below
                 return None if fb.forward_mode.is_idle() else logits

@@ -76,6 +76,12 @@ class Req:
         # Block diffusion (engine/dllm): the block being denoised, from admission until the request
         # ends (a retracted request keeps it: its unmasked positions stand).
         self.dllm_block: DllmBlock | None = None
+        # LoRA (engine/lora): the adapter the request runs under (None: the base model), the id of
+        # that adapter's load (its KV's namespace in the radix cache), and whether the request holds
+        # a reference on the adapter (from its admission to its end, across retraction).
+        self.lora_name: str | None = None
+        self.lora_id = 0
+        self.lora_held = False
 
     @property
     def fill_ids(self) -> list[int]:

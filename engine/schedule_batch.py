@@ -3,18 +3,27 @@ CacheManager)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.cache_manager import CacheManager
 from engine.forward_batch import ForwardMode
 from engine.req import Req
 
+if TYPE_CHECKING:
+    from engine.lora import LoRAManager
+
 
 class ScheduleBatch:
-    def __init__(self, reqs: list[Req], cache: CacheManager, device: torch.device) -> None:
+    def __init__(self, reqs: list[Req], cache: CacheManager, device: torch.device,
+                 lora_manager: LoRAManager | None = None) -> None:
         self.reqs = reqs
         self.cache = cache
         self.device = device
+        # The engine's adapters (None: LoRA off): ForwardBatch.init_new assigns the requests'
+        # adapters to slots through it.
+        self.lora_manager = lora_manager
         self.forward_mode = ForwardMode.DECODE
         self.input_ids = self.seq_lens = self.out_cache_loc = self.req_pool_indices = None
         self.seq_lens_cpu: list[int] = []

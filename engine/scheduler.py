@@ -33,6 +33,7 @@ from engine.errors import ConfigError, EngineDeadError, ErrorKind
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.grammar import GrammarError
 from engine.hicache.config import HiCacheConfig
+from engine.lora import LoRAAdapterError, UnknownLoRAError
 from engine.model_runner import ModelRunner, PendingSample
 from engine.prefill_adder import AddResult, PrefillAdder
 from engine.req import FinishReason, Req
@@ -43,6 +44,9 @@ from engine.speculative import Drafter, NgramDrafter, VerifyResult
 IN_BATCH_PREFIX_LEN = 32  # shared head length that defers a request to the next prefill round
 # Batches that fail in a row before the engine gives up (a broken device, not a bad request).
 MAX_CONSECUTIVE_BATCH_FAILURES = 3
+# Prefill rounds a LoRA adapter's requests may wait for a free adapter slot; after that no new
+# request of another adapter is admitted until it has one (the active adapters drain).
+LORA_MAX_WAIT_ROUNDS = 16
 
 log = logging.getLogger("radixray.engine")
 
@@ -160,6 +164,13 @@ class Scheduler:
                                   hicache=None if hicache.is_default else hicache,
                                   kv_cache=model_runner.kv_cache, model_id=model_id,
                                   hidden_size=model_runner.model_config.hidden_size)
+        # LoRA adapters (None: off): requests hold a reference on theirs from admission to their end;
+        # at most max_loras_per_batch adapters have running requests (`_lora_admissible`).
+        self.lora = getattr(model_runner, "lora_manager", None)
+        if self.lora is not None:
+            self.cache.lora_name_of = self.lora.name_of
+        self._lora_round = 0
+        self._lora_waiting: dict[str, int] = {}  # adapter -> the prefill round it began to wait for a slot
         self.eos_token_ids = eos_token_ids
         self.decode_tail = decode_tail
         self.max_context_len = model_runner.max_context_len
@@ -213,7 +224,7 @@ class Scheduler:
         self.dllm = make_dllm_runner(config, model_runner, self.cache, eos_token_ids, decode_tail)
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch(reqs, self.cache, self.device)
+        return ScheduleBatch(reqs, self.cache, self.device, self.lora)
 
     # ---- request table ---------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -312,6 +323,9 @@ class Scheduler:
         for req in touched:
             if req.finished():
                 self.reqs.pop(req.rid, None)
+                if req.lora_held:  # (under overlap a batch still in flight may hold it: its row is dropped)
+                    req.lora_held = False
+                    self.lora.release(req.lora_name)
         if not self.has_work() and self.inflight is None and not self._idle_checked:
             self.check_memory()
             self._idle_checked = True
@@ -427,6 +441,9 @@ class Scheduler:
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
         admitted_heads: set[tuple[int, ...]] = set()
+        lora_round: set[str] = set()  # adapters of the requests admitted in this round
+        starved = self._lora_starved() if self.lora is not None else None
+        stale: list[tuple[Req, str]] = []
         for req in self.waiting_queue:
             if adder.new_chunked_req is not None:
                 break
@@ -436,10 +453,24 @@ class Scheduler:
                 self.cache.match_prefix(req)
             if self._defer_shared_prefix(req, admitted_heads):
                 continue
-            if adder.add_one_req(req) != AddResult.CONTINUE:
+            acquired = False  # a reference taken now (given back unless the request is admitted)
+            if self.lora is not None and req.lora_name is not None and not req.lora_held:
+                if not self._lora_admissible(req, lora_round, starved, stale):
+                    continue
+                acquired = req.lora_held = True
+            result = adder.add_one_req(req)
+            if req.lora_name is not None and adder.can_run and adder.can_run[-1] is req:
+                lora_round.add(req.lora_name)
+                self._lora_waiting.pop(req.lora_name, None)
+            elif acquired:
+                req.lora_held = False
+                self.lora.release(req.lora_name)
+            if result != AddResult.CONTINUE:
                 if adder.can_run and adder.can_run[-1] is req:
                     continue  # admitted as a chunk; the loop ends at the check above
                 break
+        if stale:
+            self._fail_stale_lora(stale)
         if not adder.can_run:
             return None
         admitted = {id(r) for r in adder.can_run}
@@ -574,6 +605,50 @@ class Scheduler:
         self._drop_finished_from_running()
         return touched
 
+    # ---- LoRA admission ---------------------------------------------------------------------------
+    def _lora_starved(self) -> str | None:
+        """The adapter that has waited longest for a slot, once that is LORA_MAX_WAIT_ROUNDS prefill
+        rounds (None before): new requests of the others wait until it runs."""
+        self._lora_round += 1
+        if not self._lora_waiting:
+            return None
+        present = {r.lora_name for r in self.waiting_queue}
+        self._lora_waiting = {n: r for n, r in self._lora_waiting.items() if n in present}
+        oldest = min(self._lora_waiting.items(), key=lambda item: item[1], default=None)
+        if oldest is None or self._lora_round - oldest[1] < LORA_MAX_WAIT_ROUNDS:
+            return None
+        return oldest[0]
+
+    def _lora_admissible(self, req: Req, admitting: set[str], starved: str | None,
+                         stale: list[tuple[Req, str]]) -> bool:
+        """Whether the request's adapter (one it does not hold yet) lets it start now; if so it
+        holds a reference on it from here (in host memory: read again if it was evicted). An
+        adapter unloaded, loaded again or unreadable since the request was submitted puts it in
+        `stale` with the reason."""
+        name = req.lora_name
+        if name not in self.lora or self.lora.adapter_id(name) != req.lora_id:
+            stale.append((req, str(UnknownLoRAError(name))))
+            return False
+        if starved is not None and name != starved:
+            return False  # the active adapters drain until the starved one has a slot
+        if not self.lora.can_admit(name, admitting):
+            self._lora_waiting.setdefault(name, self._lora_round)
+            return False
+        try:
+            self.lora.acquire(name)
+        except LoRAAdapterError as e:  # its files changed or vanished since it was loaded
+            stale.append((req, str(e)))
+            return False
+        return True
+
+    def _fail_stale_lora(self, stale: list[tuple[Req, str]]) -> None:
+        """End waiting requests whose adapter is gone or unreadable (each with its reason)."""
+        gone = {id(r) for r, _ in stale}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in gone]
+        for req, message in stale:
+            req.finished_reason = FinishReason("abort", message=message, error_kind="invalid_request")
+            self.failed.append(req)
+
     def _defer_shared_prefix(self, req: Req, admitted_heads: set[tuple[int, ...]]) -> bool:
         """In-batch prefix caching: of several uncached requests that share a head, admit one
         now; the others wait a round and then hit the tree instead of recomputing the prefix."""
@@ -584,6 +659,7 @@ class Scheduler:
             return False
         # A shorter prompt shares only with its exact copies (the n choices of one request).
         head = tuple(fill[:IN_BATCH_PREFIX_LEN]) if len(fill) > IN_BATCH_PREFIX_LEN else tuple(fill)
+        head = (req.lora_id, *head)  # heads under different adapters share no KV
         # One that needs prompt logits computes its whole prompt anyway: it never waits, but the
         # others that share its head do.
         if head in admitted_heads and not req.needs_prompt_logits:

@@ -198,3 +198,24 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights, info: LoRABatchInfo) 
     if x.device.type == "cpu" and (torch.compiler.is_compiling() or cpu_kernels.load() is not None):
         return sgmv_cpu(y, x, w, info)
     return sgmv_torch(y, x, w, info)
+
+
+def slice_batch_info(info: LoRABatchInfo, start: int, stop: int) -> LoRABatchInfo:
+    """The segments of rows [start, stop) of a batch, renumbered from 0 (a CPU row block of a long
+    prefill runs its projections on its own rows)."""
+    indptr, indices = [0], []
+    for i, s in enumerate(info.weight_indices_host):
+        lo = max(info.seg_indptr_host[i], start)
+        hi = min(info.seg_indptr_host[i + 1], stop)
+        if lo < hi:
+            indices.append(s)
+            indptr.append(indptr[-1] + hi - lo)
+    max_len = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
+    device = info.seg_indptr.device
+    return LoRABatchInfo(
+        torch.tensor(indptr, dtype=torch.int32, device=device),
+        torch.tensor(indices, dtype=torch.int32, device=device),
+        max_len,
+        tuple(indptr),
+        tuple(indices),
+    )

@@ -9,11 +9,14 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # (engine.config imports engine.lora.config: no import at run time)
+    from engine.config import ModelConfig
 
 # Every projection an adapter may target, and the fused projection of the models (layers.py)
 # each one is a part of: (group, index of the target inside it).
@@ -59,7 +62,7 @@ class LoRAAdapterError(InvalidRequestError):
 
 
 class UnknownLoRAError(InvalidRequestError):
-    """A request or an unload names an adapter that is not loaded (an HTTP 404 in phase 2)."""
+    """A request or an unload names an adapter that is not loaded (an HTTP 404 at the front end)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(f"LoRA adapter {name!r} is not loaded", param="model")

@@ -1,7 +1,10 @@
-"""`LoRAConfig`: the engine's adapter settings (SGLang's flag names). Phase 2 moves these fields
-into `EngineConfig`; each comment is the flag's help line."""
+"""`LoRAConfig`: the engine's adapter settings (SGLang's flag names), what `LoRAManager` reads and
+where they are checked. `EngineConfig` has the same fields (its defaults are these) and builds one
+with `LoRAConfig.from_engine_config`, so the fields have one meaning and one set of checks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -34,8 +37,9 @@ class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # the largest adapter rank the slots hold; None: the largest in lora_paths (16 without any)
     max_lora_rank: int | None = None
     # projections given adapter slots (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj,
-    # or all); None: the union of lora_paths' targets (all without any)
-    lora_target_modules: tuple[str, ...] | None = None
+    # or all; a string separates them by commas or spaces); None: the union of lora_paths' targets
+    # (all without any)
+    lora_target_modules: tuple[str, ...] | str | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras_per_batch < 1:
@@ -50,9 +54,7 @@ class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             )
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
-        pinned = [
-            name for name, p in self.lora_paths.items() if isinstance(p, LoRAPath) and p.pinned
-        ]
+        pinned = [name for name, p in self.paths().items() if p.pinned]
         if len(pinned) > self.max_loras_per_batch - 1:
             # One slot must stay free to rotate, or unpinned adapters could never run.
             raise ConfigError(
@@ -63,18 +65,38 @@ class LoRAConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             if not name or "=" in name:
                 raise ConfigError(f"bad adapter name {name!r} in lora_paths")
 
+    @classmethod
+    def from_engine_config(cls, config: Any) -> LoRAConfig:
+        """The LoRA fields of an EngineConfig (ConfigError: the checks above)."""
+        return cls(**{f: getattr(config, f) for f in cls.__struct_fields__})
+
+    def target_modules(self) -> tuple[str, ...] | None:
+        """lora_target_modules as a tuple of names (None: unset)."""
+        t = self.lora_target_modules
+        if isinstance(t, str):
+            return tuple(t.replace(",", " ").split())
+        return t
+
     def paths(self) -> dict[str, LoRAPath]:
         """lora_paths with every entry in its long form."""
-        return {
-            name: p if isinstance(p, LoRAPath) else LoRAPath(lora_path=p)
-            for name, p in self.lora_paths.items()
-        }
+        return {name: _long_form(name, p) for name, p in self.lora_paths.items()}
 
     def loaded_capacity(self) -> int:
         """max_loaded_loras resolved."""
         if self.max_loaded_loras is not None:
             return self.max_loaded_loras
         return max(len(self.lora_paths), self.max_loras_per_batch)
+
+
+def _long_form(name: str, p: str | LoRAPath | dict) -> LoRAPath:
+    if isinstance(p, LoRAPath):
+        return p
+    if isinstance(p, dict):  # the JSON form of the command line
+        try:
+            return msgspec.convert(p, LoRAPath)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"lora_paths[{name!r}]: {e}") from None
+    return LoRAPath(lora_path=p)
 
 
 def parse_lora_path(text: str) -> tuple[str, str]:

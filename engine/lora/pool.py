@@ -16,11 +16,11 @@ unloading it lets its running requests finish (it is dropped at the last release
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.lora.adapter import (
     PROJECTION_GROUPS,
@@ -34,6 +34,9 @@ from engine.lora.adapter import (
 )
 from engine.lora.config import DEFAULT_MAX_LORA_RANK, LoRAConfig, LoRAPath
 from kernels.lora import LoRABatchInfo, LoRAWeights, batch_info
+
+if TYPE_CHECKING:  # (engine.config imports engine.lora.config: no import at run time)
+    from engine.config import ModelConfig
 
 BASE_SLOT = 0  # the base model's slot: rank 0 everywhere, never assigned
 
@@ -145,7 +148,7 @@ class LoRAManager:
             ranks.append(r)
             union |= t
         self.max_lora_rank = config.max_lora_rank or max(ranks, default=DEFAULT_MAX_LORA_RANK)
-        targets = config.lora_target_modules
+        targets = config.target_modules()
         if targets is None:
             self.target_modules = frozenset(union) if paths else frozenset(TARGET_MODULES)
         elif "all" in targets or "all-linear" in targets:
@@ -180,6 +183,11 @@ class LoRAManager:
         self._slot_of: OrderedDict[str, int] = (
             OrderedDict()
         )  # device slots, least recently used first
+        # Each load gets a new id (never reused): the radix cache's namespace for the adapter's KV,
+        # so an adapter loaded again under the same name never meets the old one's KV.
+        self._ids: dict[str, int] = {}
+        self._id_names: dict[int, str] = {}
+        self._next_id = 1
         for name, p in paths.items():
             try:
                 self.load_adapter(name, p.lora_path, pinned=p.pinned)
@@ -211,6 +219,31 @@ class LoRAManager:
         scheduler keeps this at most max_loras_per_batch."""
         return set(self._refs)
 
+    def adapter_id(self, name: str) -> int:
+        """The id of this load of adapter `name` (positive; UnknownLoRAError if not loaded)."""
+        if name not in self._known:
+            raise UnknownLoRAError(name)
+        return self._ids[name]
+
+    def name_of(self, adapter_id: int) -> str | None:
+        """The name adapter id `adapter_id` was loaded under (None: 0, the base model)."""
+        return self._id_names.get(adapter_id)
+
+    def busy(self) -> set[str]:
+        """Adapters that keep a device slot: those with running requests, and pinned ones
+        already in a slot."""
+        return set(self._refs) | {n for n in self._slot_of if self.is_pinned(n)}
+
+    def can_admit(self, name: str | None, admitting: Iterable[str] = ()) -> bool:
+        """Whether a request of adapter `name` may start running now, besides the adapters of
+        requests `admitting` in the same round: the base model always; an adapter that keeps a
+        slot; any other only while fewer than max_loras_per_batch adapters keep one (every batch
+        then finds a slot for each of its adapters)."""
+        if name is None:
+            return True
+        busy = self.busy() | set(admitting)
+        return name in busy or len(busy) < self.max_loras_per_batch
+
     def is_pinned(self, name: str) -> bool:
         p = self._known.get(name) or self._draining.get(name)
         return p is not None and p.pinned
@@ -238,6 +271,9 @@ class LoRAManager:
         self._make_host_room(name)
         self._known[name] = LoRAPath(lora_path=path, pinned=pinned)
         self._resident[name] = adapter
+        self._ids[name] = self._next_id
+        self._id_names[self._next_id] = name
+        self._next_id += 1
         return adapter
 
     def unload_adapter(self, name: str) -> bool:
@@ -253,6 +289,7 @@ class LoRAManager:
         return True
 
     def _drop(self, name: str) -> None:
+        self._ids.pop(name, None)
         self._resident.pop(name, None)
         slot = self._slot_of.pop(name, None)
         if slot is not None:

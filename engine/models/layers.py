@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from kernels.cpu_linear import Linear, LinearKind
+from kernels.lora import LoRABatchInfo, LoRAWeights, sgmv
 from kernels.moe import expert_counts, grouped_moe, select_experts
 from kernels.quant import QuantLinear, QuantWeight
 
@@ -29,6 +30,15 @@ def row_blocks(rows: int, device: torch.device) -> list[slice]:
     if device.type != "cpu" or rows <= CPU_ROW_BLOCK:
         return [slice(None)]
     return [slice(s, s + CPU_ROW_BLOCK) for s in range(0, rows, CPU_ROW_BLOCK)]
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights | None,
+             info: LoRABatchInfo | None) -> torch.Tensor:
+    """y (a projection's output for rows x) plus the LoRA update of each row's adapter (in place),
+    when the batch has adapter rows and the projection has adapter slots."""
+    if info is not None and w is not None:
+        sgmv(y, x, w, info)
+    return y
 
 
 def make_linear(parts: torch.Tensor | QuantWeight | list[torch.Tensor | QuantWeight],
@@ -113,23 +123,32 @@ class Attention:
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
         self.qkv_heads = num_heads + 2 * num_kv_heads
         self.q_norm, self.k_norm = q_norm, k_norm
+        # LoRA adapter slots of the two projections (engine.lora's pool; None: not adapted)
+        self.lora_qkv: LoRAWeights | None = None
+        self.lora_o: LoRAWeights | None = None
 
-    def unroped_qkv(self, x: torch.Tensor) -> torch.Tensor:
+    def unroped_qkv(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
         """Normed hidden states [T, H] -> q, k, v as one [T, qkv_heads, head_dim] tensor, before
-        RoPE (q/k norms applied)."""
+        RoPE (q/k norms applied); `lora`: the adapters of x's rows."""
         nq, nkv = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(x.shape[0], self.qkv_heads, self.head_dim)
+        qkv = add_lora(self.qkv_proj(x), x, self.lora_qkv, lora)
+        qkv = qkv.view(x.shape[0], self.qkv_heads, self.head_dim)
         if self.q_norm is not None:
             qkv[:, :nq + nkv] = torch.cat([rms_norm(qkv[:, :nq], self.q_norm, self.eps),
                                            rms_norm(qkv[:, nq:nq + nkv], self.k_norm, self.eps)], dim=1)
         return qkv
 
-    def roped_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def roped_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  lora: LoRABatchInfo | None = None) -> torch.Tensor:
         """Normed hidden states [T, H] -> q, k, v as one [T, qkv_heads, head_dim] tensor, q and k roped."""
-        qkv = self.unroped_qkv(x)
+        qkv = self.unroped_qkv(x) if lora is None else self.unroped_qkv(x, lora)
         nqk = self.num_heads + self.num_kv_heads
         qkv[:, :nqk] = apply_rope(qkv[:, :nqk], cos, sin)  # q and k in one pass
         return qkv
+
+    def out_proj(self, o: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
+        """The o-projection of attention outputs o [T, q_size] (plus the rows' adapters)."""
+        return add_lora(self.o_proj(o), o, self.lora_o, lora)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -168,7 +187,7 @@ class MLP(Protocol):
     calls `split_forward` instead: this member's rows in, their outputs out, with whatever
     collectives the MLP's split over the group needs (none for an MLP every member holds whole)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor: ...
 
     def split_forward(self, x: torch.Tensor, comm: GroupComm) -> torch.Tensor: ...
 
@@ -201,19 +220,24 @@ class GatedMLP:
             down = down.select_cols(lo, hi) if isinstance(down, QuantWeight) else down[:, lo:hi].contiguous()
         self.gate_up = make_linear([gate, up], kind=linear)
         self.down = make_linear(down, kind=linear)
+        # LoRA adapter slots (engine.lora's pool; None: not adapted)
+        self.lora_gate_up: LoRAWeights | None = None
+        self.lora_down: LoRAWeights | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
+        """`lora`: the adapters of x's rows (never with row blocks: attention-DP has no LoRA)."""
         blocks = row_blocks(x.shape[0], x.device)  # > 1 only for attention-DP's gathered rows
         if len(blocks) == 1:
-            return self._rows(x)
+            return self._rows(x, lora)
         out = x.new_empty(x.shape[0], self.down.out_features)
         for blk in blocks:
             out[blk] = self._rows(x[blk])
         return out
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate, inplace=True).mul_(up))
+    def _rows(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
+        gate, up = add_lora(self.gate_up(x), x, self.lora_gate_up, lora).chunk(2, dim=-1)
+        h = F.silu(gate, inplace=True).mul_(up)
+        return add_lora(self.down(h), h, self.lora_down, lora)
 
     def split_forward(self, x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
         """A slice of the intermediate dim: every member's rows in, partial sums reduced back to
@@ -284,7 +308,8 @@ class MoEMLP:
         self.shared = shared
         self.shared_gate = Linear(shared_gate, kind=linear) if shared_gate is not None else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
+        """`lora` is ignored: an MoE layer's MLP is never adapted (adapters are refused there)."""
         out = self.routed(x)
         if self.shared is not None:
             out = out + self.shared_out(x)
@@ -365,29 +390,35 @@ class DecoderLayer:
         self.input_norm, self.attn, self.post_norm, self.mlp, self.eps = input_norm, attn, post_norm, mlp, eps
 
     def attn_inputs(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    blocks: list[slice], qkv_buf: torch.Tensor | None
+                    blocks: list[slice], qkv_buf: torch.Tensor | None,
+                    lora: list[LoRABatchInfo] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v (views of one [T, heads, head_dim] tensor) after norm, projection and RoPE;
-        with `qkv_buf`, computed block by block into it."""
+        with `qkv_buf`, computed block by block into it. `lora`: each block's adapter rows."""
         if qkv_buf is None:
-            return self.attn.split(self.attn.roped_qkv(rms_norm(residual, self.input_norm, self.eps), cos, sin))
-        for blk in blocks:
+            return self.attn.split(self.attn.roped_qkv(rms_norm(residual, self.input_norm, self.eps), cos, sin,
+                                                       lora[0] if lora else None))
+        for j, blk in enumerate(blocks):
             qkv_buf[blk] = self.attn.roped_qkv(rms_norm(residual[blk], self.input_norm, self.eps),
-                                               cos[blk], sin[blk])
+                                               cos[blk], sin[blk], lora[j] if lora else None)
         return self.attn.split(qkv_buf)
 
     def attn_out_and_mlp(self, residual: torch.Tensor, o: torch.Tensor,
-                         mlp_comm: GroupComm | None = None, tp: TPReduce | None = None) -> None:
+                         mlp_comm: GroupComm | None = None, tp: TPReduce | None = None,
+                         lora: LoRABatchInfo | None = None) -> None:
         """o-projection, post-attention norm and MLP, added into `residual` (rows of it) in place;
         with `mlp_comm` (attention-DP) the MLP runs split over the group (`MLP.split_forward`);
         with `tp` (tensor parallelism) the o-projection's and the MLP's partial sums are
-        all-reduced over the ranks (row-parallel)."""
-        a = self.attn.o_proj(o)
+        all-reduced over the ranks (row-parallel); `lora`: the rows' adapters."""
+        a = self.attn.out_proj(o, lora)
         if tp is not None:
             tp.all_reduce(a)
         residual.add_(a)
         x = rms_norm(residual, self.post_norm, self.eps)
-        y = self.mlp(x) if mlp_comm is None else self.mlp.split_forward(x, mlp_comm)
+        if mlp_comm is not None:
+            y = self.mlp.split_forward(x, mlp_comm)
+        else:
+            y = self.mlp(x) if lora is None else self.mlp(x, lora)
         if tp is not None:
             tp.all_reduce(y)
         residual.add_(y)

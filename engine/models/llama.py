@@ -3,11 +3,12 @@ apart by ModelConfig flags; the lm_head is tied to the embedding or separate."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from engine.config import ModelConfig
+from engine.errors import ConfigError
 from engine.forward_batch import ForwardBatch
 from engine.models.base import CausalLM, Weights, register_model
 from engine.models.layers import (
@@ -26,6 +27,7 @@ from engine.tp.comm import TPGroup
 from engine.tp.ops import vocab_parallel_embedding, vocab_parallel_logits
 from kernels import cpu_kernels
 from kernels.cpu_linear import LinearKind
+from kernels.lora import LoRABatchInfo, LoRAWeights, slice_batch_info
 from kernels.quant import QuantWeight
 
 
@@ -72,6 +74,19 @@ class LlamaForCausalLM(CausalLM):
         return GatedMLP(w.linear(p + "mlp.gate_proj.weight"), w.linear(p + "mlp.up_proj.weight"),
                         w.linear(p + "mlp.down_proj.weight"), mlp_shard, linear)
 
+    def attach_lora(self, weights: Callable[[int, str], LoRAWeights | None]) -> None:
+        """Give each layer's projections their LoRA slots: `weights(layer, group)` for the groups
+        qkv_proj, o_proj, gate_up_proj, down_proj (engine.lora.LoRAMemoryPool.weights). A layer
+        whose MLP is not a GatedMLP (MoE) keeps an unadapted MLP."""
+        for i, layer in enumerate(self.layers):
+            if type(layer.attn).unroped_qkv is not Attention.unroped_qkv:
+                raise ConfigError(f"{type(self).__name__}'s attention cannot take LoRA adapters yet")
+            layer.attn.lora_qkv = weights(i, "qkv_proj")
+            layer.attn.lora_o = weights(i, "o_proj")
+            if isinstance(layer.mlp, GatedMLP):
+                layer.mlp.lora_gate_up = weights(i, "gate_up_proj")
+                layer.mlp.lora_down = weights(i, "down_proj")
+
     def num_parameters(self) -> int:
         n = self.embed.shape.numel() + self.norm.numel() + (0 if self.tied else self.lm_head.numel())
         return n + sum(layer.numel() for layer in self.layers)
@@ -107,12 +122,24 @@ class LlamaForCausalLM(CausalLM):
         if len(blocks) > 1:
             qkv_buf = residual.new_empty(T, self.layers[0].attn.qkv_heads, self.cfg.head_dim)
         tail_blocks = blocks if self.mlp_comm is None else [slice(None)]  # attention-DP's MLP needs all rows
+        lora = self.block_lora(fb.lora_info, T, blocks)
         for i in range(start, end):
             layer = self.layers[i]
-            q, k, v = layer.attn_inputs(residual, cos, sin, blocks, qkv_buf)
+            q, k, v = layer.attn_inputs(residual, cos, sin, blocks, qkv_buf, lora)
             o = attn.forward(q, k, v, i, fb).reshape(T, self.q_size)
-            for blk in tail_blocks:
-                layer.attn_out_and_mlp(residual[blk], o[blk], self.mlp_comm, self.tp_reduce)
+            for j, blk in enumerate(tail_blocks):
+                layer.attn_out_and_mlp(residual[blk], o[blk], self.mlp_comm, self.tp_reduce,
+                                       lora[j] if lora else None)
+
+    @staticmethod
+    def block_lora(info: LoRABatchInfo | None, rows: int,
+                   blocks: list[slice]) -> list[LoRABatchInfo] | None:
+        """The adapter segments of each row block (None: no adapter rows in the batch)."""
+        if info is None:
+            return None
+        if len(blocks) == 1:
+            return [info]
+        return [slice_batch_info(info, b.start, min(b.stop, rows)) for b in blocks]
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of `ids` (a fresh tensor); under TP the vocabulary-parallel lookup."""
@@ -145,13 +172,18 @@ class LlamaForCausalLM(CausalLM):
         T = residual.shape[0]
         x = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
         cos, sin = self.rope.cos, self.rope.sin_signed
+        lora = fb.lora_info
         for i, layer in enumerate(self.layers):
-            o = attn.forward_decode_rope(layer.attn.unroped_qkv(x), cos, sin, i, fb)
-            a = layer.attn.o_proj(o.view(T, self.q_size))
+            qkv = layer.attn.unroped_qkv(x) if lora is None else layer.attn.unroped_qkv(x, lora)
+            o = attn.forward_decode_rope(qkv, cos, sin, i, fb)
+            a = layer.attn.out_proj(o.view(T, self.q_size), lora)
             if self.tp_reduce is not None:  # row-parallel: the ranks' partial sums
                 self.tp_reduce.all_reduce(a)
             x = cpu_kernels.add_rms_norm(a, residual, layer.post_norm, eps)
-            y = layer.mlp(x) if self.mlp_comm is None else layer.mlp.split_forward(x, self.mlp_comm)
+            if self.mlp_comm is not None:
+                y = layer.mlp.split_forward(x, self.mlp_comm)
+            else:
+                y = layer.mlp(x) if lora is None else layer.mlp(x, lora)
             if self.tp_reduce is not None:  # one reduction for the whole MLP (experts and shared expert too)
                 self.tp_reduce.all_reduce(y)
             after = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
