@@ -97,13 +97,3 @@ def _long_form(name: str, p: str | LoRAPath | dict) -> LoRAPath:
         except msgspec.ValidationError as e:
             raise ConfigError(f"lora_paths[{name!r}]: {e}") from None
     return LoRAPath(lora_path=p)
-
-
-def parse_lora_path(text: str) -> tuple[str, str]:
-    """A CLI `--lora-paths` entry `name=path` (a bare path is named after itself, as SGLang does)."""
-    name, sep, path = text.partition("=")
-    if not sep:
-        return text, text
-    if not name or not path:
-        raise ConfigError(f"bad --lora-paths entry {text!r}: expected name=path")
-    return name, path
