@@ -97,7 +97,7 @@ def test_registered_architecture_is_built(tmp_path, registry):
     model = build_model(ModelConfig.from_dir(path), path, torch.float32, CPU, 64)
     assert type(model) is TinyForCausalLM
     fb = SimpleNamespace(input_ids=torch.tensor([5, 6, 7]), positions=torch.arange(3),
-                         last_token_indices=torch.tensor([2]))
+                         last_token_indices=torch.tensor([2]), lora_info=None)
     assert model.forward(fb, CausalAttention()).shape == (1, model.cfg.vocab_size)
     assert calls == [3, 3]  # one MLP call per layer
     with pytest.raises(ValueError, match="already registered"):
