@@ -72,16 +72,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    # Under pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) the tests of
-    # tests/ray run on one worker and those of tests/serve on one (each group in order, sharing
-    # its worker's session Ray instance, and Serve's), the rest wherever a worker is free: the
-    # Ray tests mostly wait (actors starting, streams, drains), so the groups overlap instead of
-    # adding up.
+    # Under pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) every test that
+    # starts Ray runs on one worker, in order, sharing its session's Ray and Serve instances,
+    # while the other worker runs the rest: the Ray tests mostly wait (actors starting, streams,
+    # drains), so the two halves overlap instead of adding up.
     for item in items:
         parts = item.path.relative_to(config.rootpath).parts
-        if len(parts) > 1 and parts[0] == "tests" and parts[1] in RAY_DIRS:
-            item.add_marker(pytest.mark.xdist_group(parts[1]))
-        elif "ray_local" in item.fixturenames:
+        if (len(parts) > 1 and parts[0] == "tests" and parts[1] in RAY_DIRS) or "ray_local" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 
