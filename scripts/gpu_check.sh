@@ -15,12 +15,13 @@ if ls .whl/*.whl > /dev/null 2>&1; then
         .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" || exit 2
 fi
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
-# gpu-marked tests, then the kernel tests (on the device when CUDA is there).
-timeout 240 python3 -m pytest -q -m gpu tests/engine/test_gpu.py tests/engine/test_cuda_graph.py tests/engine/test_moe.py \
+# gpu-marked tests, then the kernel tests (on the device when CUDA is there); without pyproject's
+# addopts, whose -n needs pytest-xdist (not carried).
+timeout 240 python3 -m pytest -o addopts=-ra -q -m gpu tests/engine/test_gpu.py tests/engine/test_cuda_graph.py tests/engine/test_moe.py \
     tests/engine/test_quantized.py \
     -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
-timeout 120 python3 -m pytest -q tests/kernels -p no:cacheprovider 2>&1 | tee -a "$out/gpu_tests.log"
+timeout 120 python3 -m pytest -o addopts=-ra -q tests/kernels -p no:cacheprovider 2>&1 | tee -a "$out/gpu_tests.log"
 tests_rc=$(( tests_rc || PIPESTATUS[0] ))
 timeout 240 python3 -m engine.gpu_bench 2>&1 | tee "$out/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
