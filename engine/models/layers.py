@@ -141,7 +141,7 @@ class Attention:
     def roped_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   lora: LoRABatchInfo | None = None) -> torch.Tensor:
         """Normed hidden states [T, H] -> q, k, v as one [T, qkv_heads, head_dim] tensor, q and k roped."""
-        qkv = self.unroped_qkv(x) if lora is None else self.unroped_qkv(x, lora)
+        qkv = self.unroped_qkv(x, lora)
         nqk = self.num_heads + self.num_kv_heads
         qkv[:, :nqk] = apply_rope(qkv[:, :nqk], cos, sin)  # q and k in one pass
         return qkv

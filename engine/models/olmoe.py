@@ -11,6 +11,7 @@ from engine.models.base import Weights, register_model
 from engine.models.layers import Attention, rms_norm
 from engine.models.moe import SparseMoeCausalLM
 from kernels.cpu_linear import Linear, LinearKind
+from kernels.lora import LoRABatchInfo
 
 
 class OlmoeAttention(Attention):
@@ -19,7 +20,8 @@ class OlmoeAttention(Attention):
         super().__init__(qkv, o, num_heads, num_kv_heads, head_dim, eps, q_norm, k_norm)
         self.clip = clip
 
-    def unroped_qkv(self, x: torch.Tensor) -> torch.Tensor:
+    def unroped_qkv(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
+        """`lora` is never given: LoRA adapters are refused for OLMoE at start."""
         q_dim, k_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         flat = self.qkv_proj(x)
         qkv = torch.cat([rms_norm(flat[:, :q_dim], self.q_norm, self.eps),
