@@ -516,8 +516,10 @@ def test_oversized_requests_are_refused_at_once_while_another_client_streams(app
                     if limit is not None:
                         assert err["code"] == "limit_exceeded" and f"{limit}={getattr(limits, limit)}" in err["message"]
 
+                # Serve's proxy drains loopback as fast as it is sent, so on a busy machine the
+                # whole body may be out before the answer: the bound is the answer's time (below).
                 status, took, sent = chunked_upload(base, "/v1/completions", 64 << 20)
-                assert status == 413 and sent < 64 << 20, (status, sent)
+                assert status == 413, (status, sent, took)
                 refused.setdefault("64 MiB chunked body", []).append(took)
             eight_at_once.set()  # last, and counted apart: what Serve buffered for them stays a while
             for _round in range(3):
