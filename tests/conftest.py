@@ -66,19 +66,23 @@ MODEL_CONFIGS = {
 RAY_DIRS = ("ray", "serve")  # tests/ray, tests/serve: they start Ray (and Serve) clusters
 
 
+# First, so that xdist's own hook (which names each test's group from its marker) sees the markers.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    # Under pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) every test that
-    # starts Ray runs on one worker, in order, sharing its session's Ray and Serve instances,
-    # while the other worker runs the rest: the Ray tests mostly wait (actors starting, streams,
-    # drains), so the two halves overlap instead of adding up.
+    # Under pytest-xdist (pyproject's addopts: two workers, --dist loadgroup) tests/serve runs on
+    # one worker and tests/ray (with every other test that starts Ray) on the other, each group in
+    # order on its own Ray instance, sharing that session's Serve apps and clusters; the engine
+    # tests fill both workers around them. xdist hands out the largest groups first.
     for item in items:
         parts = item.path.relative_to(config.rootpath).parts
-        if (len(parts) > 1 and parts[0] == "tests" and parts[1] in RAY_DIRS) or "ray_local" in item.fixturenames:
+        if len(parts) > 1 and parts[0] == "tests" and parts[1] in RAY_DIRS:
+            item.add_marker(pytest.mark.xdist_group(parts[1]))
+        elif "ray_local" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 
