@@ -26,6 +26,11 @@ if not torch.cuda.is_available():
 # test_cpu_graph.py) turn them back on where they test them.
 os.environ.setdefault("RADIXRAY_CPU_GRAPHS", "0")
 
+# Under pytest-xdist the two workers share the cores: one intra-op thread each, so neither's torch
+# pool waits on threads the other worker's processes hold (the test models are too small to gain).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 # Data a plain clone does not have (the trained stories260K model, KubeRay's CRD schemas): a folder
 # holding models/stories260K and k8s/kuberay-crds. .ci/run points it at ../shared.
