@@ -117,7 +117,6 @@ def case_tp(path: str, scale: float) -> None:
             )
     finally:
         tp.shutdown()
-        tp.model_runner.close()
         proc.join(30)
         torch.set_num_threads(threads)
 

@@ -37,6 +37,7 @@ from engine.req import Req
 from engine.sampling import PromptLogprob, SamplingParams
 from engine.scheduler import OverlapStep, Scheduler, StepStrategy
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tp.comm import TPGroup
 
 log = logging.getLogger("radixray.engine")
 
@@ -143,8 +144,10 @@ class _Tracker:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, mlp_shard: tuple[int, int] = (0, 1),
-                 kv_source: KVSource | None = None, **kwargs: Any) -> None:
-        """kv_source: where a decode engine (disaggregation_mode="decode") gets each request's KV."""
+                 kv_source: KVSource | None = None, tp_group: TPGroup | None = None, **kwargs: Any) -> None:
+        """kv_source: where a decode engine (disaggregation_mode="decode") gets each request's KV.
+        tp_group: rank 0's group of a tensor-parallel engine (tp_size > 1; engine.tp.worker builds
+        it), whose other ranks run each batch this engine's ModelRunner sends them."""
         self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
         if config is not None and kwargs:
             self.config = config.replace(**kwargs)
@@ -152,7 +155,7 @@ class Engine:
             torch.set_num_threads(self.config.torch_threads)
         self.model_path = self.config.model_path or builtin_model_path()
         self.tokenizer = Tokenizer(self.model_path)
-        self.model_runner = ModelRunner(self.config, self.model_path, mlp_shard)
+        self.model_runner = ModelRunner(self.config, self.model_path, mlp_shard, tp_group=tp_group)
         self.model_config = self.model_runner.model_config
         # The adapters (before the scheduler, which admits requests by them); None: LoRA off.
         self.lora: LoRAManager | None = None
@@ -599,14 +602,15 @@ class Engine:
         return {}
 
     def shutdown(self) -> None:
-        """Stop the loop, then flush the storage tier's pending writes (the pages other engines
-        may load)."""
+        """Stop the loop, flush the storage tier's pending writes (the pages other engines may
+        load), then stop a tensor-parallel engine's other ranks."""
         self._stopping = True
         self._wake.set()
         if self._loop_thread is not None:
             self._loop_thread.join(timeout=5)
             self._loop_thread = None
         self.scheduler.cache.close()
+        self.model_runner.close()
 
 
 def collect_output(rid: str, deltas: list[StreamDelta]) -> GenerateOutput:

@@ -26,7 +26,6 @@ from engine.tp.batch import (
     ReqToTokenMirror,
     TPStep,
     encode_batch,
-    take_serving_group,
 )
 from engine.tp.comm import TPGroup
 from engine.tp.layout import TPLayout
@@ -102,7 +101,7 @@ def plain_greedy(req) -> bool:
 class ModelRunner:
     """One rank's model, KV pool and backends. Under tensor parallelism (config.tp_size > 1) each
     rank of the engine has one, built with its `tp_rank` and the engine's `tp_group` (rank 0's
-    from `engine.tp.batch.serving_group` when the Engine builds it): rank 0's `forward` sends
+    through `Engine(tp_group=...)`): rank 0's `forward` sends
     each batch to the other ranks before running it (`engine.tp.worker.TPWorker` runs it there)."""
 
     def __init__(self, config: EngineConfig, model_dir: str, mlp_shard: tuple[int, int] = (0, 1),
@@ -212,14 +211,16 @@ class ModelRunner:
                 raise ConfigError(f"a TPGroup of {group.tp_size} ranks was given for tp_size 1")
             return TPGroup(0, 1)
         if mlp_shard[1] > 1:
-            raise ConfigError("tp_size > 1 with attention-DP (enable_dp_attention) is not supported yet")
+            # Attention-DP already splits each MLP over its group's engines (SGLang's layout);
+            # TP inside each member would need a second group nested in that one.
+            raise ConfigError("tp_size > 1 with attention-DP (enable_dp_attention) is not supported yet: "
+                              "attention-DP splits every MLP over the DP group's engines, and tensor "
+                              "parallelism inside each member would need a group nested in that one")
         if config.speculative_algorithm == "draft_model":
             raise ConfigError("tp_size > 1 with a draft model (speculative_algorithm='draft_model') is not supported yet")
-        if group is None and self.tp_rank == 0:
-            group = take_serving_group()
         if group is None:
-            raise ConfigError("tp_size > 1 needs the engine's TPGroup (engine.tp: rank 0's Engine built "
-                              "inside serving_group(group), the other ranks' TPWorker)")
+            raise ConfigError("tp_size > 1 needs the engine's TPGroup (engine.tp.worker: rank0_engine "
+                              "builds rank 0's Engine with it, TPWorker the other ranks)")
         if (group.tp_rank, group.tp_size) != (self.tp_rank, config.tp_size):
             raise ConfigError(f"TPGroup rank {group.tp_rank} of {group.tp_size} given for tp_rank "
                               f"{self.tp_rank} of tp_size {config.tp_size}")

@@ -6,22 +6,14 @@ request rows, sequence lengths, KV slots, extend lengths, where the logits are t
 entries of the request -> token table that the batch reads and the other ranks do not have yet
 (`ReqToTokenMirror`: a diff against what was sent before, so a decode step sends one slot per
 request, not whole rows). The other ranks allocate nothing: every KV slot and request row is rank
-0's choice, valid on every rank because every rank's pool has the same number of slots.
-
-`serving_group` hands rank 0's TPGroup to the ModelRunner an Engine builds (the Engine takes no
-group itself)."""
+0's choice, valid on every rank because every rank's pool has the same number of slots."""
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from collections.abc import Iterator
 
 import msgspec
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.tp.comm import TPGroup
 
 # TPStep.kind
 FORWARD, SPLIT, STOP = 0, 1, 2
@@ -159,28 +151,3 @@ class ReqToTokenMirror:
         rr, slots = rows[r], cur[r, c]
         self.sent[rr, c] = slots
         return rr, c, slots
-
-
-_SERVING: contextvars.ContextVar[TPGroup | None] = contextvars.ContextVar(
-    "radixray_tp_group", default=None
-)
-
-
-@contextlib.contextmanager
-def serving_group(group: TPGroup) -> Iterator[None]:
-    """Inside, the first ModelRunner built with tp_size > 1 and no group of its own takes
-    `group` as rank 0's (an Engine builds its ModelRunner itself)."""
-    token = _SERVING.set(group)
-    try:
-        yield
-    finally:
-        _SERVING.reset(token)
-
-
-def take_serving_group() -> TPGroup | None:
-    """The group `serving_group` set, once (a second runner built inside, a draft model's, gets
-    None)."""
-    group = _SERVING.get()
-    if group is not None:
-        _SERVING.set(None)
-    return group

@@ -17,7 +17,7 @@ from engine.builtin_model import builtin_model_path
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_runner import ModelRunner, resolve_device
-from engine.tp.batch import FORWARD, SPLIT, STOP, TPStep, apply_table, decode_batch, serving_group
+from engine.tp.batch import FORWARD, SPLIT, STOP, TPStep, apply_table, decode_batch
 from engine.tp.comm import TPGroup
 
 log = logging.getLogger("radixray.engine")
@@ -81,8 +81,7 @@ def rank0_engine(
     """Rank 0 of a tensor-parallel engine: the Engine (scheduler, sampler, outputs) over the group
     at `init_method`, which the other ranks join (`run_worker`) while it is built. A forward error
     is fatal (the other ranks may be inside a collective): the engine's loop dies, failing its
-    requests, and its host restarts the gang. Call `engine.model_runner.close()` after
-    `engine.shutdown()` to stop the other ranks."""
+    requests, and its host restarts the gang. `engine.shutdown()` stops the other ranks."""
     group = TPGroup(
         0,
         config.tp_size,
@@ -91,8 +90,7 @@ def rank0_engine(
         timeout_s=timeout_s,
     )
     try:
-        with serving_group(group):
-            engine = Engine(config, **kwargs)
+        engine = Engine(config, tp_group=group, **kwargs)
     except BaseException:
         group.destroy()
         raise

@@ -137,8 +137,7 @@ class Gang:
 
     def stop(self, engine: Engine) -> int:
         """Shut the engine down and stop rank 1; the steps rank 1 ran."""
-        engine.shutdown()
-        engine.model_runner.close()
+        engine.shutdown()  # and rank 1's loop, by the STOP message
         try:
             status, value = self.results.get(timeout=60)
         except queue.Empty:
