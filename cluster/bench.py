@@ -204,8 +204,12 @@ def case_routing(path: str, scale: float) -> None:
           f"round_robin={hits['round_robin']:.0%} (floor 1.5x)", flush=True)
 
 
-def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rate: float | None = None) -> None:
+def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rate: float | None = None,
+               hicache_ratio: float | None = None) -> None:
+    """hicache_ratio: every engine with a host KV tier of that many times its pool (every policy
+    on the same engines), the hit rates counting what the host tier gave back."""
     prompts, outs, order = churn_workload(scale)
+    tiers = {} if hicache_ratio is None else {"enable_hierarchical_cache": True, "hicache_ratio": hicache_ratio}
     arrivals = poisson_arrivals(rate, len(prompts)) if rate else None
     pacing = f"open loop, {rate:g} req/s" if rate else "16 in flight"
     pool = len(prompts[0]) * CHURN_DOCUMENTS_PER_ENGINE
@@ -216,19 +220,19 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
     in_flight = 16
     # Imported from where it lives: its public alias, ray.serve.llm, needs vLLM or SGLang installed.
     router = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
-    dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight, router, arrivals)
+    dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight, router, arrivals, tiers)
     serve_router = (total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9))
     for m in frontends:
         results = {}
         for policy in ("kv_events", "cache_aware", "round_robin"):
-            dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, m, arrivals)
+            dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, m, arrivals, tiers)
             results[policy] = (total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9))
         results["serve_prefix_affinity"] = serve_router  # (one Serve handle: its router sees everything)
         line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
                          for p, r in results.items())
         exact = results["kv_events"]
         best = min((results["cache_aware"], results["serve_prefix_affinity"]), key=lambda r: r[3])
-        print(f"churn      {m} front ends, {pacing}: {line}  |  hit kv_events - cache_aware = "
+        print(f"churn      {m} front ends, {pacing}{tiers and f', host tier {hicache_ratio:g}x'}: {line}  |  hit kv_events - cache_aware = "
               f"{100 * (exact[1] - results['cache_aware'][1]):+.0f} points, - serve_prefix_affinity = "
               f"{100 * (exact[1] - results['serve_prefix_affinity'][1]):+.0f} points (floor +10)  "
               f"ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)  |  "
@@ -251,7 +255,8 @@ def case_churn_low(path: str, scale: float) -> None:
               + f"  |  best {best}{' (floor 70%)' if m == 2 else ''}, any router's hit rate <= {optimal:.0%}", flush=True)
 
 
-def _deploy_engines(path: str, pool: int, app: str, router_class: str | None = None) -> tuple[Any, list]:
+def _deploy_engines(path: str, pool: int, app: str, router_class: str | None = None,
+                    engine: dict | None = None) -> tuple[Any, list]:
     """Two EngineServer replicas (engines as in engine_cfg) and their Fleet, as Serve deploys
     them for the HTTP app: the Fleet handle and the engine actors."""
     from ray import serve
@@ -261,8 +266,8 @@ def _deploy_engines(path: str, pool: int, app: str, router_class: str | None = N
 
     _serve_base()
     args = {"model_path": path, "num_engines": 1, "device": "cpu", "cpus_per_engine": 1,
-            "torch_threads_per_engine": 1, "engine": {"max_total_tokens": pool}}
-    dep = engine_deployment(engine_cfg(path, 2, "round_robin", max_total_tokens=pool), FleetOptions())
+            "torch_threads_per_engine": 1, "engine": {"max_total_tokens": pool, **(engine or {})}}
+    dep = engine_deployment(engine_cfg(path, 2, "round_robin", max_total_tokens=pool, **(engine or {})), FleetOptions())
     if router_class is not None:
         dep = dep.options(request_router_config={"request_router_class": router_class})
     serve.run(dep.bind(args, Fleet.bind()), name=app, route_prefix=None)
@@ -281,15 +286,16 @@ def _engine_hit_rate(engines: list) -> float:
 
 
 def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], in_flight: int, policy: str,
-               frontends: int, arrivals: list[float] | None = None) -> tuple[float, list[float], float]:
+               frontends: int, arrivals: list[float] | None = None,
+               engine: dict | None = None) -> tuple[float, list[float], float]:
     """The workload through `frontends` front ends (Clusters following one engine fleet, as the
     HTTP app's replicas do), requests dealt to them in turn: wall time, TTFTs, the engines'
     actual hit rate. Closed loop (in_flight at once; 1: one request at a time over all the front
     ends, in order), or open loop: request i sent at arrivals[i] seconds, its TTFT counted from
-    then."""
+    then. engine: EngineConfig fields beyond the pool size."""
     from ray import serve
 
-    fleet, engines = _deploy_engines(path, pool, "bench-fleet")
+    fleet, engines = _deploy_engines(path, pool, "bench-fleet", engine=engine)
     cfg = ClusterConfig(model_path=path, routing=policy, stream_interval_s=0.0)
     fronts = [Cluster(cfg, fleet=fleet) for _ in range(frontends)]
     try:
@@ -371,7 +377,8 @@ def poisson_arrivals(rate: float, n: int, seed: int = 7) -> list[float]:
 
 
 def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], in_flight: int,
-                      router_class: str, arrivals: list[float] | None = None) -> tuple[float, list[float], float]:
+                      router_class: str, arrivals: list[float] | None = None,
+                      engine: dict | None = None) -> tuple[float, list[float], float]:
     """The churn workload through Serve's handle path with one of Serve's request routers: two
     EngineServer replicas (engines as in engine_cfg), one stream per request; paced as in
     _fleet_run."""
@@ -380,7 +387,7 @@ def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list
     from actors.protocol import decode_delta
     from deploy.engines import GenerateCall
 
-    _, engines = _deploy_engines(path, pool, "bench-router", router_class)
+    _, engines = _deploy_engines(path, pool, "bench-router", router_class, engine)
     handle = serve.get_deployment_handle("EngineServer", "bench-router")
 
     async def run() -> tuple[float, list[float]]:
@@ -915,6 +922,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--frontends", default="2,8", help="churn: comma list of front-end counts to run the policies with")
     ap.add_argument("--rate", type=float, default=None,
                     help="churn: open loop, requests arriving at this rate (Poisson, per second); default: closed loop")
+    ap.add_argument("--hicache-ratio", type=float, default=None,
+                    help="churn: give every engine a host KV tier of this many times its pool (e.g. 4); default: none")
     ap.add_argument("--ingress", default="proxy,direct,haproxy",
                     help="frontend: the ingress modes to compare, in this order (deploy/ingress.py)")
     ap.add_argument("--stream-interval-s", type=float, default=None,
@@ -949,7 +958,8 @@ def main(argv: list[str] | None = None) -> None:
             case_pd(path, scale, plot_path=args.plot or None)
             continue
         if name == "churn":
-            case_churn(path, scale, frontends=tuple(int(m) for m in args.frontends.split(",")), rate=args.rate)
+            case_churn(path, scale, frontends=tuple(int(m) for m in args.frontends.split(",")), rate=args.rate,
+                       hicache_ratio=args.hicache_ratio)
             continue
         CASES[name](path, scale)
     if ray.is_initialized():
