@@ -73,7 +73,8 @@ class DraftModelDrafter(Drafter):
                               f"({target.vocab_size}): they must share a tokenizer")
         draft_config = config.replace(speculative_algorithm=None, speculative_draft_model_path=None,
                                       max_total_tokens=pool_tokens, max_running_requests=max_running,
-                                      max_context_len=target_context_len + self.k, enable_overlap_schedule=False)
+                                      max_context_len=target_context_len + self.k, enable_overlap_schedule=False,
+                                      tp_size=1)  # a draft runs whole on rank 0 of a tensor-parallel target
         self.runner = ModelRunner(draft_config, path)
         self.device = self.runner.device
         self.rows = self.runner.req_to_token_pool

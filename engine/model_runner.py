@@ -216,8 +216,6 @@ class ModelRunner:
             raise ConfigError("tp_size > 1 with attention-DP (enable_dp_attention) is not supported yet: "
                               "attention-DP splits every MLP over the DP group's engines, and tensor "
                               "parallelism inside each member would need a group nested in that one")
-        if config.speculative_algorithm == "draft_model":
-            raise ConfigError("tp_size > 1 with a draft model (speculative_algorithm='draft_model') is not supported yet")
         if group is None:
             raise ConfigError("tp_size > 1 needs the engine's TPGroup (engine.tp.worker: rank0_engine "
                               "builds rank 0's Engine with it, TPWorker the other ranks)")
