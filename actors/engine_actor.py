@@ -24,6 +24,9 @@ from actors.protocol import (
     Evictions,
     KVEventBatch,
     KVSnapshot,
+    LoRAAdapters,
+    LoRAUpdate,
+    adapter_path,
     decode_request,
     encode,
     encode_batch,
@@ -35,6 +38,7 @@ from engine.cache_manager import MEDIUMS, KVEvent
 from engine.disaggregation import KVFetch, KVPoll, LocalKVChannel, submit_prefill
 from engine.engine import EngineStats
 from engine.logs import log_to_stderr
+from engine.lora import LoRAAdapterError, UnknownLoRAError
 
 # The eviction log every heartbeat reads from its own cursor: the newest paths, at most this
 # many and this many tokens in all (a path runs from the root to the evicted node's first token).
@@ -230,7 +234,7 @@ class EngineActor:
         try:
             self.engine.submit(req.input_ids, req.sampling_params,
                                lambda d: loop.call_soon_threadsafe(queue.put_nowait, d), rid=req.rid,
-                               priority=req.priority)
+                               priority=req.priority, lora_name=req.lora_name)
         except InvalidRequestError as e:
             finished = True
             yield encode(_invalid(req.rid, len(req.input_ids), e))
@@ -246,8 +250,8 @@ class EngineActor:
 
     def _on_kv_event(self, event: KVEvent) -> None:
         """Engine thread, under the step lock (so kv_snapshot() sees a consistent seq)."""
-        if event.kind == "removed" and event.medium == "device":
-            self._evicted.append(event.token_ids[:event.start + 1])
+        if event.kind == "removed" and event.medium == "device":  # (an adapter's paths behind its root)
+            self._evicted.append(adapter_path(event.token_ids[:event.start + 1], event.lora_name))
         with self._kv_lock:
             self._kv_seq += 1
             if not self._kv_streams:
@@ -283,6 +287,41 @@ class EngineActor:
             cache = self.engine.scheduler.cache
             return encode(KVSnapshot(self.incarnation, seq, cache.snapshot(), self.engine.queued_prompts(),
                                      cache.snapshot("host")))
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    def _lora_adapters(self) -> LoRAAdapters:
+        """Read between steps (the step thread owns the adapter manager)."""
+        lora = self.engine.lora
+        if lora is None:
+            return LoRAAdapters()
+        with self.engine.between_steps():
+            return LoRAAdapters(lora.names(), lora.resident(), lora.max_loaded_loras)
+
+    async def lora_adapters(self) -> bytes:
+        """The adapters requests may name here, and those in host memory (a LoRAAdapters)."""
+        return encode(await asyncio.to_thread(self._lora_adapters))
+
+    def _lora_update(self, op: str, name: str, path: str = "", pinned: bool = False) -> LoRAUpdate:
+        try:
+            if op == "load":
+                self.engine.load_lora_adapter(name, path, pinned)
+                return LoRAUpdate(self._lora_adapters())
+            gone = self.engine.unload_lora_adapter(name)
+        except UnknownLoRAError as e:
+            return LoRAUpdate(self._lora_adapters(), error=str(e), unknown=True)
+        except LoRAAdapterError as e:  # the engine is unchanged
+            return LoRAUpdate(self._lora_adapters(), error=str(e))
+        return LoRAUpdate(self._lora_adapters(), draining=not gone)
+
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> bytes:
+        """Load the PEFT adapter in folder `path` as `name` (a LoRAUpdate; a bad adapter is an
+        error in it). The files are read off the actor's event loop."""
+        return encode(await asyncio.to_thread(self._lora_update, "load", name, path, pinned))
+
+    async def unload_lora_adapter(self, name: str) -> bytes:
+        """Unload adapter `name` (a LoRAUpdate): new requests naming it are refused; running ones
+        finish with it (`draining`)."""
+        return encode(await asyncio.to_thread(self._lora_update, "unload", name))
 
     def debug_fail_prefills(self, faults: list[str]) -> None:
         """Fault injection for tests: the next prefill_kv calls, one fault each: "exit" (this
@@ -327,7 +366,8 @@ class EngineActor:
         if self.kv_source is not None and req.prefill_engine:
             self.kv_source.hint(req.rid, req.prefill_engine)
         try:
-            self.engine.submit(req.input_ids, req.sampling_params, sink, rid=req.rid, priority=req.priority)
+            self.engine.submit(req.input_ids, req.sampling_params, sink, rid=req.rid, priority=req.priority,
+                               lora_name=req.lora_name)
         except InvalidRequestError as e:
             sink(_invalid(req.rid, len(req.input_ids), e))
         return self.incarnation

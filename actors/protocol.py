@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import msgspec
 
 from engine import PromptLogprob, SamplingParams, StreamDelta
@@ -14,6 +16,7 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     sampling_params: SamplingParams
     prefill_engine: str = ""  # to a decode engine: the prefill engine actor (its name) the front end chose
     priority: int = 0  # vLLM's request priority (lower = more important): the `priority` eviction policy reads it
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -28,6 +31,41 @@ class EngineInfo(msgspec.Struct, frozen=True):
     weight_bytes: int = 0
     actor_name: str = ""  # the engine actor's Ray name (namespace "radixray"), if it has one
     disaggregation_mode: str = "null"  # its role: "prefill", "decode" or "null" (both)
+
+
+class LoRAAdapters(msgspec.Struct, frozen=True, array_like=True):
+    """An engine's LoRA adapters: those requests may name, those in host memory (least recently
+    used first; the others are read from their folder when a request needs them), and how many
+    host memory holds (max_loaded_loras; 0: LoRA is off there)."""
+
+    names: list[str] = []
+    resident: list[str] = []
+    max_loaded: int = 0
+
+
+class LoRAUpdate(msgspec.Struct, frozen=True, array_like=True):
+    """An engine's answer to loading or unloading a LoRA adapter: its adapters after it, or why
+    nothing changed (`error`, with `unknown` when the adapter is not loaded there). `draining`:
+    unloaded, but requests still running under it finish with it."""
+
+    adapters: LoRAAdapters
+    error: str | None = None
+    unknown: bool = False
+    draining: bool = False
+
+
+def adapter_root(lora_name: str) -> int:
+    """The token standing for LoRA adapter `lora_name` at the root of the routers' paths (negative:
+    token ids never are)."""
+    return -1 - zlib.crc32(lora_name.encode())
+
+
+def adapter_path(tokens: list[int], lora_name: str | None) -> list[int]:
+    """The routers' path of `tokens` under LoRA adapter `lora_name` (KV is shared only under one
+    adapter): the tokens themselves for the base model, else behind the adapter's root token."""
+    if lora_name is None:
+        return tokens
+    return [adapter_root(lora_name), *tokens]
 
 
 class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):
@@ -108,6 +146,16 @@ def decode_kv_snapshot(data: bytes) -> KVSnapshot:
 
 
 _evictions_decoder = msgspec.msgpack.Decoder(Evictions)
+_lora_adapters_decoder = msgspec.msgpack.Decoder(LoRAAdapters)
+_lora_update_decoder = msgspec.msgpack.Decoder(LoRAUpdate)
+
+
+def decode_lora_adapters(data: bytes) -> LoRAAdapters:
+    return _lora_adapters_decoder.decode(data)
+
+
+def decode_lora_update(data: bytes) -> LoRAUpdate:
+    return _lora_update_decoder.decode(data)
 
 
 def decode_evictions(data: bytes) -> Evictions:

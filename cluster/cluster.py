@@ -8,12 +8,20 @@ and the KV event streams are per index.
 
 This module wires the parts together: membership.py (which engines), health.py (heartbeats),
 channels.py (each engine's output and KV event streams, demultiplexed to the requests) and
-request_stream.py (one request's life: routing, re-routing, deadline, abort)."""
+request_stream.py (one request's life: routing, re-routing, deadline, abort).
+
+LoRA adapters: a request names its adapter (`lora_name`) and is routed only to engines that serve
+it (the router's view of each engine's adapters: its reports and what was routed there, see
+cluster/routing.py). `load_lora_adapter` / `unload_lora_adapter` apply to every engine of the
+cluster, so every engine serves the same adapters; an adapter loaded through this Cluster is
+loaded again on an engine that joins later or comes back after a restart."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -22,7 +30,7 @@ from typing import Any
 
 import ray
 
-from actors.protocol import EngineInfo
+from actors.protocol import EngineInfo, LoRAAdapters, decode_lora_adapters, decode_lora_update
 from actors.stats import DPGroupStats, EngineActorStats
 from cluster.channels import ENGINE_DIED, Channels, consume_outputs, follow_kv_events
 from cluster.config import ClusterConfig
@@ -35,10 +43,15 @@ from engine import GenerateOutput, SamplingParams, StreamDelta
 from engine.builtin_model import builtin_model_path
 from engine.config import ModelConfig
 from engine.engine import EngineStats, collect_output
+from engine.errors import InvalidRequestError
 from engine.inputs import InputProcessor
+from engine.lora import LoRAAdapterError, UnknownLoRAError
 from engine.tokenizer import Tokenizer
 
 __all__ = ["ACTOR_NAMESPACE", "Cluster", "ensure_ray"]
+log = logging.getLogger("radixray.cluster")
+LORA_CALL_TIMEOUT_S = 300.0  # loading an adapter reads (and checks) its files on every engine
+LORA_REFRESH_S = 1.0  # an unknown adapter name asks the engines again at most this often
 
 
 class Cluster:
@@ -53,6 +66,11 @@ class Cluster:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()  # guards the router, the engine list and the channels
         self.channels = Channels(self._lock)
+        # Adapters loaded at run time through this cluster: name -> (folder, pinned), loaded
+        # again on an engine that joins or restarts (lora_paths adapters it loads by itself).
+        self._runtime_loras: dict[str, tuple[str, bool]] = {}
+        self._lora_refreshed = 0.0
+        self._adapter_syncs: dict[int, concurrent.futures.Future] = {}  # engine -> its first adapter sync
         try:
             self._start(self.config, fleet)
         except BaseException:  # nothing started here may outlive a failed constructor
@@ -81,7 +99,7 @@ class Cluster:
         self.tokenizer = Tokenizer(model_path)
         # This cluster's name on every engine: its output channel and KV event stream there.
         self.consumer = uuid.uuid4().hex[:12]
-        self.router = Router(cfg.routing, 0, policy_options=cfg.routing_options)
+        self.router = Router(cfg.routing, 0, policy_options=cfg.routing_options, on_recover=self._on_recover)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="radixray-cluster-loop", daemon=True).start()
         if fleet is None:
@@ -89,6 +107,9 @@ class Cluster:
             with self._lock:
                 for actor, info, name in started:
                     self._add_engine(actor, info, name)
+            for sync in self._adapter_syncs.values():  # their adapters are routable once this returns
+                sync.result(timeout=60)
+            self._adapter_syncs.clear()
         else:
             watcher = FleetWatcher(fleet, self._lock, self._add_engine, self.router.stop_accepting,
                                    self._retire_engine, self._closed)
@@ -97,9 +118,10 @@ class Cluster:
             if not first.wait(timeout=600):
                 raise TimeoutError("no engine joined the fleet in time")
         infos = self.infos
-        self.inputs = InputProcessor(self.tokenizer, ModelConfig.from_dir(model_path).vocab_size,
+        model_cfg = ModelConfig.from_dir(model_path)
+        self.inputs = InputProcessor(self.tokenizer, model_cfg.vocab_size,
                                      min(i.max_context_len for i in infos), min(i.max_total_tokens for i in infos),
-                                     limits=cfg.limits)
+                                     limits=cfg.limits, dllm_block_size=model_cfg.dllm_block_size)
         self._health = threading.Thread(target=health_loop, name="radixray-health", daemon=True,
                                         args=(self.engines, self.router, self._lock, cfg.health_check_period_s,
                                               self._closed))
@@ -117,7 +139,35 @@ class Cluster:
         if self.router.exact:
             coros.append(follow_kv_events(engine, idx, self.consumer, self.router.kv_index, self._lock, self._closed))
         engine.consumers = [asyncio.run_coroutine_threadsafe(c, self._loop) for c in coros]
+        self._adapter_syncs[idx] = asyncio.run_coroutine_threadsafe(self._sync_adapters(idx), self._loop)
         return idx
+
+    def _on_recover(self, idx: int) -> None:
+        """Under self._lock (the router calls it): engine idx answers again, perhaps restarted
+        without the adapters loaded at run time."""
+        asyncio.run_coroutine_threadsafe(self._sync_adapters(idx), self._loop)
+
+    async def _sync_adapters(self, idx: int) -> None:
+        """Load on engine idx the adapters loaded through this cluster that it lacks, then take
+        its adapters into the router's view."""
+        engine = self.engines[idx]
+        try:
+            adapters = decode_lora_adapters(await engine.actor.lora_adapters.remote())
+            for name, (path, pinned) in list(self._runtime_loras.items()):
+                if adapters.max_loaded and name not in adapters.names:
+                    update = decode_lora_update(await engine.actor.load_lora_adapter.remote(name, path, pinned))
+                    if update.error:
+                        log.warning("engine %d could not load LoRA adapter %r again: %s", idx, name, update.error)
+                    adapters = update.adapters
+        except Exception as e:  # gone again: the next recovery syncs it
+            log.warning("could not read engine %d's LoRA adapters: %s", idx, type(e).__name__)
+            return
+        self._take_adapters(idx, adapters)
+
+    def _take_adapters(self, idx: int, adapters: LoRAAdapters) -> None:
+        with self._lock:
+            if not self.engines[idx].retired:
+                self.router.set_adapters(idx, adapters.names, adapters.resident, adapters.max_loaded)
 
     def _retire_engine(self, idx: int) -> None:
         """The engine left the fleet: its requests that are still here re-route or fail."""
@@ -155,13 +205,14 @@ class Cluster:
 
     # ---- requests --------------------------------------------------------------------------
     def stream_ids(self, input_ids: list[int], params: SamplingParams,
-                   rid: str | None = None, priority: int = 0) -> AsyncIterator[StreamDelta]:
+                   rid: str | None = None, priority: int = 0, lora_name: str | None = None) -> AsyncIterator[StreamDelta]:
         """Route one validated request and stream its deltas (request_stream.stream_request):
         re-routed if its engine dies before a token was streamed, an explicit error if after;
-        closing the stream early aborts the request on its engine."""
-        return stream_request(input_ids, params, rid, priority=priority, config=self.config, lock=self._lock, router=self.router,
-                              channels=self.channels, engines=self.engines, consumer=self.consumer,
-                              send_abort=self._send_abort)
+        closing the stream early aborts the request on its engine. lora_name: its LoRA adapter
+        (None: the base model), served by an engine it is routed to (see has_lora_adapter)."""
+        return stream_request(input_ids, params, rid, priority=priority, lora_name=lora_name, config=self.config,
+                              lock=self._lock, router=self.router, channels=self.channels, engines=self.engines,
+                              consumer=self.consumer, send_abort=self._send_abort)
 
     def abort(self, rid: str) -> None:
         """Abort a request in flight (its engine frees its KV); unknown ids are ignored."""
@@ -174,26 +225,131 @@ class Cluster:
 
     async def stream(self, prompt: str | None = None, sampling_params: Any = None,
                      input_ids: list[int] | None = None, messages: list[dict] | None = None,
-                     rid: str | None = None) -> AsyncIterator[StreamDelta]:
+                     rid: str | None = None, lora_name: str | None = None) -> AsyncIterator[StreamDelta]:
         prompts, params, _ = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
-        async with contextlib.aclosing(self.stream_ids(prompts[0], params[0], rid)) as deltas:
+        if lora_name is not None:  # (may ask the engines: off this loop)
+            await asyncio.to_thread(self._check_adapters, [lora_name])
+        async with contextlib.aclosing(self.stream_ids(prompts[0], params[0], rid, lora_name=lora_name)) as deltas:
             async for delta in deltas:  # closed however the caller leaves: the request is aborted
                 yield delta
 
     async def _generate(self, prompts: list[list[int]], params: list[SamplingParams],
-                        single: bool) -> GenerateOutput | list[GenerateOutput]:
-        async def one(ids: list[int], p: SamplingParams) -> GenerateOutput:
+                        single: bool, names: list[str | None]) -> GenerateOutput | list[GenerateOutput]:
+        async def one(ids: list[int], p: SamplingParams, name: str | None) -> GenerateOutput:
             rid = uuid.uuid4().hex
-            return collect_output(rid, [d async for d in self.stream_ids(ids, p, rid)])
+            return collect_output(rid, [d async for d in self.stream_ids(ids, p, rid, lora_name=name)])
 
-        outs = await asyncio.gather(*(one(ids, p) for ids, p in zip(prompts, params)))
+        outs = await asyncio.gather(*(one(ids, p, name) for ids, p, name in zip(prompts, params, names)))
         return outs[0] if single else list(outs)
 
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
-                 messages: Any = None) -> GenerateOutput | list[GenerateOutput]:
-        """Same shapes as Engine.generate; blocks the calling thread. Bad input raises here."""
-        prepared = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
-        return self.run(self._generate(*prepared))
+                 messages: Any = None, lora_name: str | None | list[str | None] = None
+                 ) -> GenerateOutput | list[GenerateOutput]:
+        """Same shapes as Engine.generate; blocks the calling thread. Bad input raises here.
+        lora_name: the LoRA adapter (None: the base model), one for every prompt or one per
+        prompt; an adapter no engine serves raises UnknownLoRAError before any request starts."""
+        prompts, params, single = self.inputs.prepare(prompt, input_ids, messages, sampling_params)
+        names = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        if len(names) != len(prompts):
+            raise InvalidRequestError("lora_name list must match the number of prompts", "model")
+        self._check_adapters(names)
+        return self.run(self._generate(prompts, params, single, names))
+
+    def _check_adapters(self, names: list[str | None]) -> None:
+        for name in dict.fromkeys(names):
+            if name is None:
+                continue
+            if not isinstance(name, str):
+                raise InvalidRequestError(f"lora_name must be a string, got {name!r}", "model")
+            if not self.has_lora_adapter(name):
+                raise UnknownLoRAError(name)
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    def has_lora_adapter(self, name: str, refresh: bool = True) -> bool:
+        """Whether an engine serves adapter `name`. refresh: a name the router does not know asks
+        the engines again (blocking; at most once per LORA_REFRESH_S: another front end may have
+        loaded it)."""
+        with self._lock:
+            if any(self.router.serves(i, name) for i in self.router.healthy()):
+                return True
+        if not refresh or time.monotonic() - self._lora_refreshed < LORA_REFRESH_S:
+            return False
+        self.refresh_lora_adapters()
+        with self._lock:
+            return any(self.router.serves(i, name) for i in self.router.healthy())
+
+    def lora_adapters(self) -> list[str]:
+        """The adapters the engines serve (sorted), as they report them now."""
+        self.refresh_lora_adapters()
+        with self._lock:
+            return self.router.adapter_names()
+
+    def refresh_lora_adapters(self) -> None:
+        """Ask every engine for its adapters (the router's view of them)."""
+        self._lora_refreshed = time.monotonic()
+        with self._lock:
+            live = [(i, e.actor.lora_adapters.remote()) for i, e in enumerate(self.engines) if not e.retired]
+        for i, ref in live:
+            try:
+                self._take_adapters(i, decode_lora_adapters(ray.get(ref, timeout=10)))
+            except Exception as e:  # unreachable: its last report stands
+                log.warning("could not read engine %d's LoRA adapters: %s", i, type(e).__name__)
+
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Load the PEFT adapter in folder `path` as `name` on every engine (the engines need
+        enable_lora or lora_paths; the folder must be readable where each engine runs). All or
+        nothing: a bad adapter (LoRAAdapterError, naming it and the problem) is unloaded again
+        from the engines that took it; an engine that does not answer gets it when it comes back.
+        `pinned`: never evicted from the engines' host memory."""
+        with self._lock:
+            live = [(i, e.actor.load_lora_adapter.remote(name, path, pinned))
+                    for i, e in enumerate(self.engines) if not e.retired]
+        loaded, error, unreachable = [], None, None
+        for i, ref in live:
+            try:
+                update = decode_lora_update(ray.get(ref, timeout=LORA_CALL_TIMEOUT_S))
+            except Exception as e:  # dead or restarting: loaded there when it answers again
+                unreachable = e
+                continue
+            self._take_adapters(i, update.adapters)
+            if update.error:
+                error = error or update.error
+            else:
+                loaded.append(i)
+        if error is None and not loaded and unreachable is not None:
+            raise RuntimeError(f"no engine could load LoRA adapter {name!r}: {unreachable}") from unreachable
+        if error is not None:
+            for i in loaded:  # all or nothing
+                with contextlib.suppress(Exception):
+                    update = decode_lora_update(ray.get(self.engines[i].actor.unload_lora_adapter.remote(name),
+                                                        timeout=LORA_CALL_TIMEOUT_S))
+                    self._take_adapters(i, update.adapters)
+            raise LoRAAdapterError(name, error.removeprefix(f"LoRA adapter {name!r}: "))
+        self._runtime_loras[name] = (path, pinned)
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Unload adapter `name` from every engine: new requests naming it are refused; running
+        ones finish with it. True if it is gone everywhere now, False if it goes when they end.
+        UnknownLoRAError if no engine serves it."""
+        self._runtime_loras.pop(name, None)
+        with self._lock:
+            live = [(i, e.actor.unload_lora_adapter.remote(name)) for i, e in enumerate(self.engines) if not e.retired]
+        found, gone, unreachable = False, True, None
+        for i, ref in live:
+            try:
+                update = decode_lora_update(ray.get(ref, timeout=LORA_CALL_TIMEOUT_S))
+            except Exception as e:  # dead or restarting: it forgets the adapter unless loaded at start
+                log.warning("could not unload LoRA adapter %r from engine %d: %s", name, i, type(e).__name__)
+                unreachable = e
+                continue
+            self._take_adapters(i, update.adapters)
+            found = found or not update.unknown
+            gone = gone and not update.draining
+        if not found and unreachable is not None:
+            raise RuntimeError(f"no engine could unload LoRA adapter {name!r}: {unreachable}") from unreachable
+        if not found:
+            raise UnknownLoRAError(name)
+        return gone
 
     def run(self, coro: Any) -> Any:
         """Run a coroutine on the cluster's own event loop and wait for it (sync callers)."""

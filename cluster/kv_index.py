@@ -18,21 +18,10 @@ adapter (or the base model) never counts another's."""
 
 from __future__ import annotations
 
-import zlib
-
 import msgspec
 
-from actors.protocol import KVEventBatch, KVSnapshot
+from actors.protocol import KVEventBatch, KVSnapshot, adapter_path
 from engine.token_trie import descend
-
-
-def adapter_path(tokens: list[int], lora_name: str | None) -> list[int]:
-    """The index's path of `tokens` under LoRA adapter `lora_name`: the tokens themselves for the
-    base model, else behind a negative root token named by the adapter (token ids are never
-    negative)."""
-    if lora_name is None:
-        return tokens
-    return [-1 - zlib.crc32(lora_name.encode()), *tokens]
 
 
 class _Node:

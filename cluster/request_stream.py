@@ -34,11 +34,12 @@ def engine_is_gone(error: ray.exceptions.RayError) -> bool:
 
 
 async def stream_request(input_ids: list[int], params: SamplingParams, rid: str | None, *, priority: int = 0,
-                         config: ClusterConfig, lock: threading.Lock, router: Router, channels: Channels,
-                         engines: list, consumer: str,
+                         lora_name: str | None = None, config: ClusterConfig, lock: threading.Lock,
+                         router: Router, channels: Channels, engines: list, consumer: str,
                          send_abort: Callable[[int, str], None]) -> AsyncIterator[StreamDelta]:
     """Route one validated request and stream its deltas. Re-routes if its engine dies
-    before a token was streamed; ends with an explicit error if it dies after.
+    before a token was streamed; ends with an explicit error if it dies after. `lora_name`: its
+    LoRA adapter (None: the base model), routed to an engine that serves it.
 
     `lock` guards `router` and `channels`; `engines[i].actor` is engine i's actor, which sends
     this request's deltas to its output channel `consumer`; `send_abort(i, rid)` aborts the
@@ -52,7 +53,8 @@ async def stream_request(input_ids: list[int], params: SamplingParams, rid: str 
     n_prompt = len(input_ids)
     cost = n_prompt + params.max_new_tokens
     try:
-        payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params, priority=priority))
+        payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params, priority=priority,
+                                         lora_name=lora_name))
     except (OverflowError, TypeError, ValueError) as e:
         yield StreamDelta.aborted(rid, error=f"invalid request: {e}", kind="invalid_request", prompt_tokens=n_prompt)
         return
@@ -69,23 +71,26 @@ async def stream_request(input_ids: list[int], params: SamplingParams, rid: str 
             # Each attempt reads its own subscription: a late message about an earlier
             # engine is dropped by Channels.deliver, never read as this attempt's.
             with lock:
-                idx = router.pick(input_ids, cost, exclude=frozenset(tried))
+                idx = router.pick(input_ids, cost, exclude=frozenset(tried), lora_name=lora_name)
                 prefill = None  # disaggregated: the prefill engine for the decode engine `idx`
                 missing = "engine"
                 if idx is not None and router.disaggregated:
                     prefill = router.pick(input_ids, n_prompt, pool="prefill")
                     if prefill is None:
-                        router.done(idx, cost, input_ids)
+                        router.done(idx, cost, input_ids, lora_name)
                         idx, missing = None, "prefill engine"
                 if idx is not None:
                     channels.subscribe_locked(rid, idx, loop, queue)
             if idx is None:
+                if lora_name is not None and missing == "engine":
+                    missing = f"engine serving LoRA adapter {lora_name!r}"
                 yield StreamDelta.aborted(rid, error=f"no {missing} available", kind="overloaded",
                                           prompt_tokens=n_prompt)
                 return
             if prefill is not None:  # the decode engine fetches the KV from this one
                 payload = encode(GenerateRequest(rid=rid, input_ids=input_ids, sampling_params=params,
-                                                 prefill_engine=engines[prefill].name, priority=priority))
+                                                 prefill_engine=engines[prefill].name, priority=priority,
+                                                 lora_name=lora_name))
 
             def prefill_done() -> None:  # its part ends with the first token (or the request)
                 nonlocal prefill
@@ -165,7 +170,7 @@ async def stream_request(input_ids: list[int], params: SamplingParams, rid: str 
                 if not finished:  # cancelled, timed out, or given up on: free its KV there
                     send_abort(idx, rid)
                 with lock:
-                    router.done(idx, cost, input_ids)
+                    router.done(idx, cost, input_ids, lora_name)
                 prefill_done()
             if rerouted:
                 tried.add(idx)

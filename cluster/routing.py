@@ -16,7 +16,17 @@ threshold or the match is short, then to the engine where it costs the least loa
 
 Ties (no load to tell the engines apart, as at low concurrency) go to the engine holding the
 least KV, not to the first one: new prefixes spread over the engines instead of evicting each
-other on one."""
+other on one.
+
+A request under a LoRA adapter goes only to engines that serve the adapter, and every policy
+sees its prompt as the adapter's path (`adapter_path`: the tokens behind the adapter's root
+token), so prefix matches count that adapter's KV only. Adapter affinity: `kv_events` adds
+lora_load_cost prompt tokens' worth of prefill to the cost of an engine that does not hold the
+adapter in host memory (a read from its folder, and another adapter pushed out); `cache_aware`
+keeps to the engines holding it unless they are overloaded by its balance thresholds. Without
+one, the least loaded engine gets it. `round_robin` and `least_load` ignore adapters as they
+ignore the cache. The router knows an engine's adapters from its reports (`set_adapters`) and,
+between them, from what it routed there (`EngineAdapters`)."""
 
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ from typing import Literal, Protocol, get_args
 
 import msgspec
 
+from actors.protocol import adapter_path, adapter_root
 from cluster.kv_index import KVIndex, KVIndexStats
 from engine.errors import ConfigError
 from engine.token_trie import descend
@@ -146,9 +157,34 @@ class EngineLoad:
     tokens: int = 0  # prompt + max output tokens of those requests
 
 
+@dataclass
+class EngineAdapters:
+    """The router's view of one engine's LoRA adapters: the names it serves (None: not reported
+    yet, so it takes no adapter request) and the root tokens (`adapter_root`) of those in its host
+    memory, least recently used first, at most `capacity`; from its reports, and between them
+    from what was routed there (the engine reads a routed adapter into host memory, evicting its
+    least recently used idle one)."""
+
+    names: frozenset[str] | None = None
+    resident: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    capacity: int = 0
+
+    def touch(self, root: int) -> None:
+        self.resident[root] = None
+        self.resident.move_to_end(root)
+        while len(self.resident) > max(self.capacity, 1):
+            self.resident.popitem(last=False)
+
+
+def adapter_of(key: list[int]) -> int | None:
+    """The root token of the adapter a routing key (`adapter_path`) runs under; None: the base model."""
+    return key[0] if key and key[0] < 0 else None
+
+
 class RoutingPolicy(Protocol):
     """Chooses an engine among the healthy candidates for a tokenized request. It may read the
-    router's loads and prefix trees; the router accounts the choice (loads, trees, stats)."""
+    router's loads and prefix trees; the router accounts the choice (loads, trees, stats).
+    `input_ids` is the routing key: a LoRA request's prompt behind its adapter's root token."""
 
     def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int: ...
 
@@ -178,6 +214,7 @@ class CacheAware:
     evict_weight: float = 1.0  # per new token, x the engine's KV use above the emptiest candidate's
 
     def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
+        candidates = router.affine(input_ids, candidates, self.balance_abs_threshold, self.balance_rel_threshold)
         reqs = [router.loads[i].requests for i in candidates]
         if (max(reqs) - min(reqs) > self.balance_abs_threshold
                 and max(reqs) > self.balance_rel_threshold * max(min(reqs), 1)):
@@ -216,15 +253,21 @@ class KVEvents:
     evict_weight: float = 1.0
     host_hit_weight: float = 0.1  # per prompt token loaded from the engine's host tier
     storage_hit_weight: float = 0.3  # per prompt token loaded from the shared storage tier
+    # A LoRA request on an engine without its adapter in host memory: the adapter's read (and the
+    # idle adapter it pushes out) costs this many prompt tokens' worth of prefill.
+    lora_load_cost: float = 256.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.host_hit_weight <= self.storage_hit_weight <= self.prefill_weight:
             raise ConfigError("need 0 <= host_hit_weight <= storage_hit_weight <= prefill_weight")
+        if not self.lora_load_cost >= 0:
+            raise ConfigError(f"lora_load_cost must be >= 0, got {self.lora_load_cost!r}")
 
     def choose(self, router: Router, input_ids: list[int], candidates: list[int]) -> int:
         index = router.kv_index
         pressure = router.kv_pressure(candidates)
         n = len(input_ids)
+        root = adapter_of(input_ids)
 
         def cost(i: int) -> tuple[float, int, int, int]:
             device, host, storage = index.match_tiers(i, input_ids)
@@ -233,6 +276,8 @@ class KVEvents:
             c = (self.prefill_weight * (n - storage) + self.host_hit_weight * (host - device)
                  + self.storage_hit_weight * (storage - host) + self.evict_weight * pressure[i] * (n - device)
                  + self.load_weight * tokens)
+            if root is not None and root not in router.adapters[i].resident:
+                c += self.prefill_weight * self.lora_load_cost
             return c, router.cached_tokens(i), load.requests, i
 
         return min(candidates, key=cost)
@@ -254,6 +299,10 @@ class RoutingStats(msgspec.Struct, kw_only=True):
     # the approximate trees otherwise) / prompt tokens routed.
     prefix_hit_rate: float
     kv_index: KVIndexStats
+    # LoRA requests sent to an engine holding their adapter in host memory (by the router's view),
+    # and to one that had to read it.
+    lora_warm: int = 0
+    lora_cold: int = 0
 
 
 @dataclass
@@ -269,6 +318,11 @@ class Router:
     reasons: Counter = field(default_factory=Counter)
     matched_tokens: int = 0
     prompt_tokens: int = 0
+    lora_warm: int = 0
+    lora_cold: int = 0
+    # Called (under the caller's lock) with an engine's index when it answers again after it did
+    # not: the owner refreshes what it knows of the engine (its LoRA adapters).
+    on_recover: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         self.capacity = [self.kv_capacity] * self.num_engines  # each engine's KV pool, in tokens
@@ -283,6 +337,7 @@ class Router:
         self._prefill_policy: RoutingPolicy | None = None
         self.trees = [PrefixTree(self.kv_capacity) for _ in range(self.num_engines)]
         self.kv_index = KVIndex(self.num_engines)
+        self.adapters = [EngineAdapters() for _ in range(self.num_engines)]
 
     def healthy(self) -> list[int]:
         return [i for i, ld in enumerate(self.loads) if ld.healthy and ld.accepting]
@@ -309,6 +364,7 @@ class Router:
         self.capacity.append(kv_capacity)
         self.trees.append(PrefixTree(kv_capacity))
         self.kv_index.add_engine()
+        self.adapters.append(EngineAdapters())
         self.num_engines += 1
         return self.num_engines - 1
 
@@ -341,20 +397,32 @@ class Router:
         return {i: u - low for i, u in use.items()}
 
     def pick(self, input_ids: list[int], cost: int, exclude: frozenset[int] = frozenset(),
-             pool: str | None = None) -> int | None:
+             pool: str | None = None, lora_name: str | None = None) -> int | None:
         """Choose an engine (None if none is healthy) and account the request on it. pool: the
-        engines of that role only; None: any that takes requests itself (not a prefill engine)."""
+        engines of that role only; None: any that takes requests itself (not a prefill engine).
+        lora_name: the request's LoRA adapter (only engines serving it are candidates)."""
         candidates = [i for i in self.healthy() if i not in exclude
-                      and (self.roles[i] == pool if pool else self.roles[i] != "prefill")]
+                      and (self.roles[i] == pool if pool else self.roles[i] != "prefill")
+                      and (lora_name is None or self.serves(i, lora_name))]
         if not candidates:
             return None
-        choice = self._policy(pool).choose(self, input_ids, candidates)
+        key = adapter_path(input_ids, lora_name)
+        choice = self._policy(pool).choose(self, key, candidates)
         if self.exact:  # held in any tier: loaded, not computed
-            matched = self.kv_index.match_tiers(choice, input_ids)[2]
-            self.kv_index.in_flight[choice].add(input_ids)
+            matched = self.kv_index.match_tiers(choice, key)[2]
+            self.kv_index.in_flight[choice].add(key)
         else:
-            matched = self.trees[choice].match(input_ids)
-            self.trees[choice].insert(input_ids)
+            matched = self.trees[choice].match(key)
+            self.trees[choice].insert(key)
+        if lora_name is not None:
+            matched = max(matched - 1, 0)  # the adapter's root is no prompt token
+            root = key[0]
+            view = self.adapters[choice]
+            if root in view.resident:
+                self.lora_warm += 1
+            else:
+                self.lora_cold += 1
+            view.touch(root)
         self.matched_tokens += matched
         self.reasons["fallback" if exclude else "cache_match" if matched else "load"] += 1
         self.prompt_tokens += len(input_ids)
@@ -363,12 +431,52 @@ class Router:
         self.loads[choice].tokens += cost
         return choice
 
-    def done(self, engine: int, cost: int, input_ids: list[int] | None = None) -> None:
-        """The request picked for `engine` ended (input_ids: its prompt, for exact routing)."""
+    def done(self, engine: int, cost: int, input_ids: list[int] | None = None, lora_name: str | None = None) -> None:
+        """The request picked for `engine` ended (input_ids: its prompt, for exact routing;
+        lora_name: its adapter, as given to pick)."""
         self.loads[engine].requests -= 1
         self.loads[engine].tokens -= cost
         if self.exact and input_ids is not None:
-            self.kv_index.in_flight[engine].discard(input_ids)
+            self.kv_index.in_flight[engine].discard(adapter_path(input_ids, lora_name))
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def set_adapters(self, engine: int, names: list[str], resident: list[str], capacity: int) -> None:
+        """Engine `engine` reported its adapters: those it serves, and those in host memory
+        (least recently used first) of the `capacity` it holds."""
+        view = self.adapters[engine]
+        view.names = frozenset(names)
+        view.capacity = capacity
+        view.resident = OrderedDict((adapter_root(n), None) for n in resident)
+
+    def serves(self, engine: int, lora_name: str) -> bool:
+        """Whether the engine serves adapter `lora_name`, by its last report."""
+        names = self.adapters[engine].names
+        return names is not None and lora_name in names
+
+    def adapter_names(self) -> list[str]:
+        """The adapters served by any engine that takes requests, sorted."""
+        names: set[str] = set()
+        for view, load in zip(self.adapters, self.loads):
+            if load.accepting and view.names:
+                names |= view.names
+        return sorted(names)
+
+    def affine(self, key: list[int], candidates: list[int], abs_threshold: float, rel_threshold: float) -> list[int]:
+        """Adapter affinity for a routing key: the candidates holding its adapter in host memory,
+        unless even the least loaded of them has more requests than the least loaded candidate by
+        both thresholds (CacheAware's balance rule); all of them for the base model, or when none
+        holds it."""
+        root = adapter_of(key)
+        if root is None:
+            return candidates
+        warm = [i for i in candidates if root in self.adapters[i].resident]
+        if not warm:
+            return candidates
+        low = min(self.loads[i].requests for i in candidates)
+        busy = min(self.loads[i].requests for i in warm)
+        if busy - low > abs_threshold and busy > rel_threshold * max(low, 1):
+            return candidates
+        return warm
 
     def evicted(self, engine: int, paths: list[list[int]]) -> None:
         """The engine evicted, for each path, the node that began at its last token."""
@@ -377,9 +485,12 @@ class Router:
                 self.trees[engine].remove(p, len(p) - 1)
 
     def set_healthy(self, engine: int, healthy: bool) -> None:
-        if not healthy and self.loads[engine].healthy:
+        was = self.loads[engine].healthy
+        if not healthy and was:
             self.forget(engine)  # a restarted engine starts cold
         self.loads[engine].healthy = healthy
+        if healthy and not was and self.on_recover is not None:
+            self.on_recover(engine)
 
     def forget(self, engine: int) -> None:
         """Empty the approximate tree of the engine (it restarted, or its eviction events were
@@ -393,4 +504,6 @@ class Router:
             reasons=dict(self.reasons),
             prefix_hit_rate=self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             kv_index=self.kv_index.stats(),
+            lora_warm=self.lora_warm,
+            lora_cold=self.lora_cold,
         )

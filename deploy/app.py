@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import hmac
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,13 +32,16 @@ from deploy.options import AppArgs
 from engine import InvalidRequestError, SamplingParams, StreamDelta
 from engine.errors import invalid_request_from
 from engine.logs import log_to_stderr
+from engine.lora import UnknownLoRAError
 from engine.tokenizer import LONG_TEXT_CHARS
 from openai_api.outputs import RequestOutput
 from openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from openai_api.served_model import served_model_name
 from openai_api.tool_parsers import JsonArrayToolParser, parser_for
@@ -87,6 +91,16 @@ async def read_body(request: Request, limit: int) -> bytearray | None:
                 return None
             body += chunk
     return body
+
+
+def allowed_lora_path(path: str, root: str) -> str:
+    """`path` resolved (symbolic links, `..`) if it lies under folder `root` (resolved too);
+    InvalidRequestError naming lora_path otherwise."""
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    if not os.path.isabs(path) or os.path.commonpath([real, top]) != top:
+        raise InvalidRequestError(f"lora_path {path!r} is not an absolute path under the allowed LoRA root "
+                                  "(allowed_lora_root)", "lora_path")
+    return real
 
 
 def delta_error_response(delta: StreamDelta) -> JSONResponse:
@@ -274,10 +288,21 @@ class OpenAIServer:
             return error_response(400, f"malformed JSON body: {e}")
         except RecursionError:
             return error_response(400, "malformed JSON body: nested too deeply")
-        if parsed.model is not None and parsed.model != self.model_name:
-            return error_response(404, f"model {parsed.model!r} does not exist (serving {self.model_name!r})",
-                                  code="model_not_found")
+        model = getattr(parsed, "model", None)
+        if model is not None and model != self.model_name and not await self._serves_adapter(model):
+            return error_response(404, f"model {model!r} does not exist (serving {self.model_name!r} and its "
+                                  "LoRA adapters)", param="model", code="model_not_found")
         return parsed
+
+    async def _serves_adapter(self, name: str) -> bool:
+        """Whether `name` is a LoRA adapter of the engines (a name this front end does not know
+        asks them: another front end may have loaded it)."""
+        return (self.cluster.has_lora_adapter(name, refresh=False)
+                or await asyncio.to_thread(self.cluster.has_lora_adapter, name))
+
+    def _lora_name(self, model: str | None) -> str | None:
+        """The adapter a request runs under (`model` checked by _read): None for the base model."""
+        return None if model is None or model == self.model_name else model
 
     def _no_engine(self) -> JSONResponse | None:
         if not any(self.cluster.healthy()):
@@ -285,12 +310,14 @@ class OpenAIServer:
         return None
 
     async def _merged(self, rid: str, choices: list[tuple[list[int], SamplingParams]],
-                      watch: ClientWatch, priority: int = 0) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """Stream several choices (prompt ids, sampling) at once: (choice index, delta) as they
+                      watch: ClientWatch, req: Any) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """Stream several choices (prompt ids, sampling) of request body `req` (its priority, and
+        its model: a LoRA adapter or the base model) at once: (choice index, delta) as they
         come; every choice ends with a final delta, whatever stream_ids does. Raises
         ClientDisconnected when `watch` cancels us (the client went away): cancelling our task
         reaches each stream_ids's `finally`, which aborts its request on its engine."""
         rids = [f"{rid}-{i}" for i in range(len(choices))]
+        priority, lora_name = req.priority, self._lora_name(req.model)
 
         def failed(i: int, e: Exception) -> StreamDelta:  # a bug: an explicit error, never a choice with no end
             log.exception("request %s failed", rids[i])
@@ -301,7 +328,8 @@ class OpenAIServer:
             if len(choices) == 1:  # straight from stream_ids: no task or queue per delta
                 ids, params = choices[0]
                 try:
-                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[0], priority)) as deltas:
+                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[0], priority,
+                                                                           lora_name)) as deltas:
                         async for d in deltas:
                             if d.error:
                                 log.warning("request %s ended with an error (%s): %s", rids[0], d.error_kind, d.error)
@@ -313,7 +341,8 @@ class OpenAIServer:
 
             async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
                 try:
-                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[i], priority)) as deltas:
+                    async with contextlib.aclosing(self.cluster.stream_ids(ids, params, rids[i], priority,
+                                                                           lora_name)) as deltas:
                         async for d in deltas:
                             queue.put_nowait((i, d))
                 except Exception as e:
@@ -390,9 +419,64 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         if not bearer_ok(request, self.http.api_key):
             return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+        card = {"object": "model", "created": self.created, "owned_by": "radixray",
+                "max_model_len": self.cluster.inputs.max_len}
+        adapters = await asyncio.to_thread(self.cluster.lora_adapters)
+        # vLLM's cards: each LoRA adapter names the base model as its `parent`.
         return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "radixray",
-             "max_model_len": self.cluster.inputs.max_len}]})
+            {"id": self.model_name, **card, "parent": None},
+            *({"id": name, **card, "parent": self.model_name} for name in adapters if name != self.model_name)]})
+
+    # ---- LoRA adapters at run time (vLLM's endpoints) ------------------------------------------
+    def _runtime_lora_refused(self) -> JSONResponse | None:
+        if self.http.allowed_lora_root is None:
+            return error_response(403, "loading and unloading LoRA adapters at run time is off on this server: "
+                                  "start it with allowed_lora_root (--allowed-lora-root) naming the folder "
+                                  "that holds them", "permission_error", code="lora_updates_disabled")
+        return None
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Load a PEFT adapter on every engine; requests then name it as their `model`."""
+        req = await self._read(request, LoadLoRAAdapterRequest)
+        if isinstance(req, Response):
+            return req
+        if (refused := self._runtime_lora_refused()) is not None:
+            return refused
+        if req.lora_name == self.model_name:
+            return error_response(400, f"lora_name {req.lora_name!r} is the base model's name", param="lora_name")
+        try:
+            path = allowed_lora_path(req.lora_path, self.http.allowed_lora_root)
+            await asyncio.to_thread(self.cluster.load_lora_adapter, req.lora_name, path, req.pinned)
+        except InvalidRequestError as e:  # LoRAAdapterError included: a bad adapter, a name in use
+            return invalid_response(e)
+        except Exception:
+            log.exception("loading LoRA adapter %r failed", req.lora_name)
+            return error_response(503, f"LoRA adapter {req.lora_name!r} could not be loaded: no engine answered",
+                                  "server_error", code="no_engine")
+        log.info("LoRA adapter %r loaded from %s", req.lora_name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Unload an adapter from every engine (its running requests finish with it)."""
+        req = await self._read(request, UnloadLoRAAdapterRequest)
+        if isinstance(req, Response):
+            return req
+        if (refused := self._runtime_lora_refused()) is not None:
+            return refused
+        try:
+            gone = await asyncio.to_thread(self.cluster.unload_lora_adapter, req.lora_name)
+        except UnknownLoRAError:
+            return error_response(404, f"LoRA adapter {req.lora_name!r} is not loaded", param="lora_name",
+                                  code="model_not_found")
+        except Exception:
+            log.exception("unloading LoRA adapter %r failed", req.lora_name)
+            return error_response(503, f"LoRA adapter {req.lora_name!r} could not be unloaded: no engine answered",
+                                  "server_error", code="no_engine")
+        log.info("LoRA adapter %r unloaded", req.lora_name)
+        later = "" if gone else " (the requests running under it finish first)"
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.{later}")
 
     async def _fetch_stats(self) -> tuple[Any, Any]:
         """Every engine's stats and the fleet registry's events: what /metrics caches."""
@@ -561,7 +645,7 @@ class OpenAIServer:
         per_choice: list[list[StreamDelta]] = [[] for _ in choices]
         watch = ClientWatch(request.receive)
         try:
-            async with contextlib.aclosing(self._merged(rid, choices, watch, req.priority)) as merged:
+            async with contextlib.aclosing(self._merged(rid, choices, watch, req)) as merged:
                 async for i, d in merged:
                     if not per_choice[i] and d.token_ids:
                         self.metrics.ttft.observe(time.monotonic() - t0)
@@ -587,7 +671,7 @@ class OpenAIServer:
         failed = next((f for f in finals if f.error), None)
         if failed is not None:
             return delta_error_response(failed)
-        body = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+        body = {"id": rid, "object": obj, "created": int(time.time()), "model": req.model or self.model_name,
                 "choices": [out.choice(i, deltas, per_choice) for i, deltas in enumerate(per_choice)],
                 "usage": self._usage(finals, req.n)}
         if (plp := out.chat_prompt_logprobs(per_choice)) is not None:
@@ -601,7 +685,8 @@ class OpenAIServer:
         chat, encode, metrics = out.chat, self.encoder.encode, self.metrics
         n = len(choices)
         head = b"data: " + encode({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                   "created": int(time.time()), "model": self.model_name, "choices": ()})[:-3]
+                                   "created": int(time.time()), "model": req.model or self.model_name,
+                                   "choices": ()})[:-3]
         continuous, group = req.continuous_usage, req.n
         t0 = time.monotonic()
         last_token_at: list[float | None] = [None] * n
@@ -621,7 +706,7 @@ class OpenAIServer:
         last_write = time.monotonic()
         failure: Exception | None = None
         try:
-            async with contextlib.aclosing(self._merged(rid, choices, watch, req.priority)) as merged:
+            async with contextlib.aclosing(self._merged(rid, choices, watch, req)) as merged:
                 async for i, d in merged:
                     lasts[i] = d
                     now = time.monotonic()

@@ -54,6 +54,7 @@ class GenerateCall(msgspec.Struct, frozen=True):
     input_ids: list[int]
     sampling_params: SamplingParams
     prompt: str = ""
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -266,7 +267,7 @@ class EngineServer:
     async def generate(self, call: GenerateCall):
         """Serve's handle path: the request's msgpack-encoded StreamDeltas, one item per step."""
         payload = encode(GenerateRequest(rid=call.rid, input_ids=call.input_ids,
-                                         sampling_params=call.sampling_params))
+                                         sampling_params=call.sampling_params, lora_name=call.lora_name))
         finished = False
         try:
             async for ref in self.engine.generate.remote(payload):

@@ -74,6 +74,10 @@ class HTTPOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # /metrics serves the engines' and the fleet's figures as fetched at most this many seconds
     # ago (one fetch per interval per front end, whatever the scrape rate).
     metrics_refresh_s: float = 1.0
+    # POST /v1/load_lora_adapter loads only adapter folders under this folder (as each front end
+    # sees it: a path leaving it, symbolic links resolved, is a 400); None: loading and unloading
+    # LoRA adapters at run time is refused (lora_paths still loads them at start)
+    allowed_lora_root: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.metrics_refresh_s < math.inf:  # nan too: the cache would refresh on every scrape or never

@@ -129,6 +129,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prealloc_queue: int = 0
     # Batches run, by ForwardMode name; every mode is present (0 if none ran), so readers index it.
     batches_by_mode: dict[str, int] = msgspec.field(default_factory=lambda: dict.fromkeys(ForwardMode.__members__, 0))
+    # LoRA adapters: those requests may name, and those in host memory (least recently used first).
+    lora_adapters: list[str] = []
+    lora_resident: list[str] = []
 
 
 class _Tracker:
@@ -585,6 +588,8 @@ class Engine:
             expert_tokens=self.model_runner.expert_token_counts(),
             hicache=s.cache.hicache_stats(),
             batches_by_mode={mode: s.batches_by_mode[mode] for mode in ForwardMode.__members__},
+            lora_adapters=self.lora_adapters(),
+            lora_resident=self.lora.resident() if self.lora is not None else [],
             **self._kv_transfer_stats(),
         )
 

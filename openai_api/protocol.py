@@ -226,3 +226,28 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
     def validate(self) -> None:
         pass
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /v1/load_lora_adapter body. Unknown fields (vLLM's load_inplace) are ignored."""
+
+    lora_name: str  # the name requests give as `model`
+    lora_path: str  # the PEFT adapter folder, under the server's allowed_lora_root
+    pinned: bool = False  # never evicted from the engines' host memory (SGLang's `pinned`)
+
+    def validate(self) -> None:
+        if not self.lora_name or "=" in self.lora_name:
+            raise InvalidRequestError(f"bad adapter name {self.lora_name!r}", "lora_name")
+        if not self.lora_path:
+            raise InvalidRequestError("lora_path must name the adapter's folder", "lora_path")
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /v1/unload_lora_adapter body (its lora_int_id is accepted and not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+    def validate(self) -> None:
+        if not self.lora_name:
+            raise InvalidRequestError("lora_name must not be empty", "lora_name")

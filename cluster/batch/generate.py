@@ -52,6 +52,7 @@ class Generate:
         ids, errors = batch.column("id").to_pylist(), batch.column("error").to_pylist()
         prompts, params = batch.column("input_ids").to_pylist(), batch.column("params").to_pylist()
         echoes, parsers = batch.column("echo").to_pylist(), batch.column("tool_parser").to_pylist()
+        loras = batch.column("lora_name").to_pylist()
         rows: list[ResultRow | None] = [None] * len(ids)
         pending: list[tuple[int, list, asyncio.Future]] = []
         for i, rid in enumerate(ids):  # in token order (Preprocess sorted them)
@@ -67,8 +68,9 @@ class Generate:
                     loop.call_soon_threadsafe(done.set_result, None)
 
             try:  # own request ids: the engine refuses two in flight with one id
-                self.engine.submit(prompts[i], self._params_decoder.decode(params[i]), sink, rid=uuid.uuid4().hex)
-            except InvalidRequestError as e:
+                self.engine.submit(prompts[i], self._params_decoder.decode(params[i]), sink, rid=uuid.uuid4().hex,
+                                   lora_name=loras[i])
+            except InvalidRequestError as e:  # an adapter this engine does not serve included
                 rows[i] = ResultRow(id=rid, error=f"invalid request: {e}")
                 continue
             pending.append((i, deltas, done))

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from cluster.batch.ids import SeenIds, id_digests, place_digests
-from cluster.batch.rows import WORK_SCHEMA, BatchLine, parse_row
+from cluster.batch.rows import WORK_SCHEMA, BatchLine, lora_name_of, parse_row
 from engine.errors import InvalidRequestError
 from openai_api.served_model import served_model_name
 from openai_api.tool_parsers import parser_for
@@ -59,7 +59,7 @@ class Preprocess:
             # The engine's KV pool is at least the context unless set lower; the engine re-checks.
             pool = cfg.max_total_tokens or max_ctx + 1
             self._inputs = InputProcessor(Tokenizer(cfg.model_path), model_cfg.vocab_size, max_ctx, pool,
-                                          limits=cfg.limits)
+                                          limits=cfg.limits, dllm_block_size=model_cfg.dllm_block_size)
         return self._inputs
 
     def __call__(self, block: pa.Table) -> Iterator[pa.Table]:
@@ -75,9 +75,10 @@ class Preprocess:
         import ray
 
         model_name = served_model_name(self.engine_config.get("model_path"))
+        adapters = frozenset(self.engine_config.get("lora_paths") or ())
         inputs = self._processor()
         srcs = batch.column("src").to_pylist()
-        parsed = [parse_row(raw, src, model_name, self.tool_call_parser, inputs.limits)
+        parsed = [parse_row(raw, src, model_name, self.tool_call_parser, inputs.limits, adapters)
                   for src, raw in zip(srcs, batch.column("row").to_pylist())]
         digests = id_digests([rid for rid, _, _ in parsed])
         done = ray.get(self.done_ref[0])  # a view of the object store's copy
@@ -94,22 +95,25 @@ class Preprocess:
             parsed = [p if own else (src, None, f"duplicate id {p[0]!r}: ids must be unique; only the "
                                                 "first row read with it is run")
                       for p, src, own in zip(parsed, srcs, owns)]
-        failed, work = tokenize_rows(parsed, inputs, self.tool_call_parser)
+        failed, work = tokenize_rows(parsed, inputs, self.tool_call_parser, model_name)
         none = [None] * len(failed)
         return pa.table([[r for r, _ in failed] + [w[1] for w in work], none + [w[0] for w in work],
                          none + [w[2] for w in work], [e for _, e in failed] + [None] * len(work),
-                         none + [w[3] for w in work], none + [w[4] for w in work]], schema=WORK_SCHEMA)
+                         none + [w[3] for w in work], none + [w[4] for w in work],
+                         none + [w[5] for w in work]], schema=WORK_SCHEMA)
 
 
 def tokenize_rows(parsed: list[tuple[str, BatchLine | None, str | None]], inputs: InputProcessor,
-                  tool_call_parser: str | None = None
-                  ) -> tuple[list[tuple[str, str]], list[tuple[list[int], str, bytes, str | None, str | None]]]:
+                  tool_call_parser: str | None = None, model_name: str | None = None
+                  ) -> tuple[list[tuple[str, str]], list[tuple[list[int], str, bytes, str | None, str | None,
+                                                               str | None]]]:
     """Parsed rows -> (error rows as (id, error), work rows as (token ids, id, msgpack params,
-    echo prompt, tool parser name) in token order). A row that fails here, its chat template
+    echo prompt, tool parser name, LoRA adapter) in token order). `model_name`: the base model's
+    served name (a row's other `model` is an adapter). A row that fails here, its chat template
     included, is an error row of its own: it never fails the window it came in."""
     encoder = msgspec.msgpack.Encoder()
     failed: list[tuple[str, str]] = []
-    work: list[tuple[list[int], str, bytes, str | None, str | None]] = []
+    work: list[tuple[list[int], str, bytes, str | None, str | None, str | None]] = []
     for rid, line, err in parsed:
         if err is None:
             try:
@@ -118,7 +122,8 @@ def tokenize_rows(parsed: list[tuple[str, BatchLine | None, str | None]], inputs
                 inputs.validate_request(len(ids), params)
                 parser = parser_for(line.tool_mode, tool_call_parser)
                 work.append((ids, rid, encoder.encode(params), line.prompt if line.echo else None,
-                             None if parser is None else parser.name))
+                             None if parser is None else parser.name,
+                             None if model_name is None else lora_name_of(line, model_name)))
                 continue
             except InvalidRequestError as e:
                 err = str(e)

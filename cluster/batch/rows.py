@@ -22,7 +22,7 @@ class BatchLine(OpenAISampling, OpenAITools, kw_only=True, forbid_unknown_fields
     id: str | int
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    model: str | None = None  # optional, as in OpenAI requests; must name the model being run
+    model: str | None = None  # optional, as in OpenAI requests; the model being run, or one of its LoRA adapters
     tools: list[Tool] | None = None  # with messages, as in chat completions
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -39,15 +39,24 @@ class BatchLine(OpenAISampling, OpenAITools, kw_only=True, forbid_unknown_fields
         return self.constrain_tools(self.sampling_params(DEFAULT_MAX_TOKENS))
 
 
-# echo: the text the output starts with; tool_parser: what parses its tool calls (None: plain text).
+# echo: the text the output starts with; tool_parser: what parses its tool calls (None: plain text);
+# lora_name: the LoRA adapter it runs under (None: the base model).
 WORK_SCHEMA = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("params", pa.binary()),
-                         ("error", pa.string()), ("echo", pa.string()), ("tool_parser", pa.string())])
+                         ("error", pa.string()), ("echo", pa.string()), ("tool_parser", pa.string()),
+                         ("lora_name", pa.string())])
+
+
+def lora_name_of(line: BatchLine, model_name: str) -> str | None:
+    """The LoRA adapter a row's `model` names (None: the base model; parse_row checked it)."""
+    return None if line.model is None or line.model == model_name else line.model
 
 
 def parse_row(raw: str, src: str, model_name: str, tool_call_parser: str | None = None,
-              limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, BatchLine | None, str | None]:
+              limits: RequestLimits = DEFAULT_LIMITS,
+              adapters: frozenset[str] = frozenset()) -> tuple[str, BatchLine | None, str | None]:
     """-> (id, parsed row or None, error or None). A row with no usable id is named by src.
-    `tool_call_parser`: the job's, for rows with tool_choice "auto". A line over
+    `tool_call_parser`: the job's, for rows with tool_choice "auto". `adapters`: the LoRA adapters
+    the engines load (lora_paths), which a row's `model` may name. A line over
     limits.max_body_bytes is not parsed; the message count and the stop lists are checked before
     they are copied."""
     limit = limits.max_body_bytes
@@ -68,8 +77,8 @@ def parse_row(raw: str, src: str, model_name: str, tool_call_parser: str | None 
         return rid, None, f"invalid fields: {e}"
     if (line.prompt is None) == (line.messages is None):
         return rid, None, "give exactly one of prompt or messages"
-    if line.model is not None and line.model != model_name:
-        return rid, None, f"model {line.model!r} does not exist (running {model_name!r})"
+    if line.model is not None and line.model != model_name and line.model not in adapters:
+        return rid, None, f"model {line.model!r} does not exist (running {model_name!r} and its LoRA adapters)"
     try:
         if line.messages is not None:
             limits.check_messages(len(line.messages))
