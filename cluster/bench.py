@@ -54,6 +54,9 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             prefixes, 32 output tokens), 2 engines: the Ray Data job vs the driver-loop job it replaced
             (`cluster.bench_driver_loop.run_driver_loop`) vs `Cluster.generate` on the same prompts: rows/s,
             output tokens/s, prefix hit rate; each wall time includes starting the engines.
+  lora      16 LoRA adapters over 2 engines (cluster/bench_lora.py), 256 requests naming one at random:
+            adapter affinity (kv_events) vs round robin: output tokens/s, adapters read again after
+            an eviction, copies into device slots.
 `--quick` shrinks the workloads (a smoke run, not a measurement to quote)."""
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ import msgspec
 import ray
 
 from cluster import Cluster, ClusterConfig
+from cluster.bench_lora import case_lora
 from cluster.bench_pd import case_pd, percentile
 from cluster.stats import ClusterStats
 from engine import SamplingParams
@@ -910,7 +914,7 @@ def case_autoscale(path: str, scale: float) -> None:
 
 CASES = {"scale": case_scale, "routing": case_routing, "churn": case_churn, "churn_low": case_churn_low,
          "http": case_http, "dp": case_dp, "moe": case_moe, "batch": case_batch, "frontend": case_frontend,
-         "autoscale": case_autoscale, "pd": case_pd}
+         "autoscale": case_autoscale, "pd": case_pd, "lora": case_lora}
 
 
 def main(argv: list[str] | None = None) -> None:

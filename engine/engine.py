@@ -132,6 +132,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # LoRA adapters: those requests may name, and those in host memory (least recently used first).
     lora_adapters: list[str] = []
     lora_resident: list[str] = []
+    lora_host_reloads: int = 0  # evicted adapters read again from their files
+    lora_slot_loads: int = 0  # adapters copied into a device slot for a batch
 
 
 class _Tracker:
@@ -590,6 +592,8 @@ class Engine:
             batches_by_mode={mode: s.batches_by_mode[mode] for mode in ForwardMode.__members__},
             lora_adapters=self.lora_adapters(),
             lora_resident=self.lora.resident() if self.lora is not None else [],
+            lora_host_reloads=self.lora.host_reloads if self.lora is not None else 0,
+            lora_slot_loads=self.lora.slot_loads if self.lora is not None else 0,
             **self._kv_transfer_stats(),
         )
 

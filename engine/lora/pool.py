@@ -188,6 +188,10 @@ class LoRAManager:
         self._ids: dict[str, int] = {}
         self._id_names: dict[int, str] = {}
         self._next_id = 1
+        # Reads of an evicted adapter back into host memory, and copies into a device slot: what
+        # routing with adapter affinity saves.
+        self.host_reloads = 0
+        self.slot_loads = 0
         for name, p in paths.items():
             try:
                 self.load_adapter(name, p.lora_path, pinned=p.pinned)
@@ -325,6 +329,7 @@ class LoRAManager:
             )
             self._make_host_room(name)
             self._resident[name] = adapter
+            self.host_reloads += 1
         self._resident.move_to_end(name)
         return adapter
 
@@ -370,6 +375,7 @@ class LoRAManager:
             adapter = self._host(name)
             slot = self._free_slot(needed)
             self.pool.write(slot, adapter)
+            self.slot_loads += 1
             self._slot_names[slot] = name
             self._slot_of[name] = slot
         return [BASE_SLOT if n is None else self._slot_of[n] for n in lora_names]

@@ -274,8 +274,9 @@ def test_host_lru_evicts_idle_unpinned_and_reloads(base, adapters):
     m.acquire("x0")  # running: kept
     m.load_adapter("x2", adapters["qv4"][0])  # evicts x1: the only idle unpinned one
     assert m.resident() == ["p", "x0", "x2"] and "x1" in m  # still known: read again when needed
+    assert m.host_reloads == 0
     m.acquire("x1")  # reloaded; evicts x2
-    assert set(m.resident()) == {"p", "x0", "x1"} and m.refs("x1") == 1
+    assert set(m.resident()) == {"p", "x0", "x1"} and m.refs("x1") == 1 and m.host_reloads == 1
     with pytest.raises(LoRAAdapterError, match="pinned or in use"):
         m.load_adapter("x3", adapters["qv4"][0])  # p pinned, x0 and x1 running
     assert "x3" not in m
@@ -288,6 +289,7 @@ def test_host_lru_evicts_idle_unpinned_and_reloads(base, adapters):
 def test_slots_reuse_refcounts_pinning(base, adapters):
     m = many(base, adapters, 4, max_loras_per_batch=2, max_loaded_loras=6)
     assert m.prepare_batch(["x0", None, "x1", "x0"]) == [1, 0, 2, 1]
+    assert m.slot_loads == 2 and m.prepare_batch(["x1"]) == [2] and m.slot_loads == 2  # already in a slot
     m.acquire("x0")
     # x1 idle: its slot is reused for x2; x0 is running: kept
     assert m.prepare_batch(["x2"]) == [2] and m.slots() == {"x0": 1, "x2": 2}
