@@ -262,7 +262,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # requests' priority: a higher value goes first), cost_aware (recompute cost per slot x reuse).
     radix_eviction_policy: str = HICACHE.radix_eviction_policy
     # LoRA adapters (engine/lora; checks: LoRAConfig). Adapters loaded at start: name -> PEFT folder,
-    # or {"lora_path": folder, "pinned": true} (never evicted); a JSON object on the command line.
+    # or {"lora_path": folder, "pinned": true} (never evicted); on the command line name=folder pairs
+    # (separated by spaces or commas) or a JSON object.
     lora_paths: dict[str, str | LoRAPath] = {}
     enable_lora: bool = False  # serve LoRA adapters, loaded at run time too (on whenever lora_paths is given)
     max_loras_per_batch: int = LORA.max_loras_per_batch  # the most distinct adapters in one batch (device slots; base-model requests take none)

@@ -71,6 +71,25 @@ class _OldFlag(argparse.Action):
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
+def parse_mapping(text: str) -> dict[str, Any]:
+    """A mapping flag's value: a JSON object, or `name=value` pairs separated by commas or spaces
+    (SGLang's `--lora-paths name=path` form; each value read as JSON where it parses, else kept as
+    text)."""
+    text = text.strip()
+    if text.startswith("{"):
+        return msgspec.json.decode(text)
+    out: dict[str, Any] = {}
+    for item in text.replace(",", " ").split():
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"expected a JSON object or name=value pairs, got {item!r}")
+        try:
+            out[name] = msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            out[name] = value
+    return out
+
+
 def add_struct_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple[str, ...] = (),
                      renames: dict[str, str] | None = None, help: dict[str, str] | None = None) -> list[str]:
     """Add --field-name for each field of `cls` a flag can carry; defaults are None (unset), so
@@ -93,8 +112,8 @@ def add_struct_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tup
             parse: dict[str, Any] = {"nargs": 0, "const": True}
         elif isinstance(t, msgspec.inspect.LiteralType):
             parse = {"choices": list(t.values)}
-        elif isinstance(t, msgspec.inspect.DictType):  # a JSON object, e.g. '{"load_weight": 0.2}'
-            parse = {"type": msgspec.json.decode}
+        elif isinstance(t, msgspec.inspect.DictType):  # '{"load_weight": 0.2}' or load_weight=0.2
+            parse = {"type": parse_mapping}
             help_text = HELP.get(f.name) or field_docs(cls).get(f.name, "a JSON object")
         else:
             parse = {"type": {msgspec.inspect.IntType: int, msgspec.inspect.FloatType: float}.get(type(t), str)}

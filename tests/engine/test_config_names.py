@@ -167,3 +167,12 @@ def test_cpu_graph_max_bs_sizes_the_cpu_ladder(model_dirs):
     assert Engine(**lazy, cuda_graph_max_bs=2).model_runner.graph_runner.ladder == [1, 2]
     with pytest.raises(ConfigError, match="cpu_graph_max_bs must be >= 1"):
         EngineConfig(cpu_graph_max_bs=0)
+
+
+def test_lora_paths_take_sglang_pairs_or_a_json_object():
+    pairs = _parse(["--lora-paths", "a=/x/a b=/x/b,c=/x/c"]).engine["lora_paths"]
+    assert pairs == {"a": "/x/a", "b": "/x/b", "c": "/x/c"}
+    obj = _parse(["--lora-paths", '{"a": {"lora_path": "/x/a", "pinned": true}}']).engine["lora_paths"]
+    assert obj == {"a": {"lora_path": "/x/a", "pinned": True}}
+    with pytest.raises(SystemExit):  # neither form
+        _parse(["--lora-paths", "/x/a"])
