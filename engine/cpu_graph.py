@@ -1,8 +1,9 @@
 """Decode graphs on the CPU: the twin of CUDA graphs (engine/cuda_graph.py), built with torch.compile.
 
-A DECODE (or IDLE) batch is padded to the next size of the CUDA graphs' ladder, up to
-cpu_graph_max_bs (padded rows: request row 0, seq_len 1, KV slot 0: inert), copied into static
-input buffers and run by that size's compiled forward: the model's decode forward
+A DECODE (or IDLE) batch, or a TARGET_VERIFY or DLLM_EXTEND batch run as decode rows
+(`ForwardBatch.verify_as_decode_rows`, `dllm_as_decode_rows`), is padded to the next size of the
+CUDA graphs' ladder, up to cpu_graph_max_bs (padded rows: request row 0, seq_len 1, KV slot 0:
+inert), copied into static input buffers and run by that size's compiled forward: the model's decode forward
 (`forward_decode`, through the attention backend's fused RoPE + KV store + attention) compiled
 by torch.compile with inductor's C++ backend: every size at start-up, as CUDA graphs are
 captured (a compile in the middle of serving would stall every running stream for its duration),
@@ -54,18 +55,22 @@ class CpuGraphRunner:
         self.compile_seconds: dict[int, float] = {}  # by size: compile (and first run) wall time
         self.failed: dict[int, str] = {}  # sizes that run eagerly, and why
         self.replays = 0  # batches run by a compiled graph
+        # The same by the mode a batch stands for (`ForwardBatch.rows_of`: decode rows of a verify
+        # or block-diffusion batch count as that mode).
+        self.replays_by_mode: dict[ForwardMode, int] = dict.fromkeys(
+            (ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY, ForwardMode.DLLM_EXTEND), 0)
 
     @torch.inference_mode()
     def compile_all(self) -> float:
         """Compile every size of the ladder now, on padding rows only (not counted as replays);
         returns the seconds taken."""
-        t0, replays = time.perf_counter(), self.replays
+        t0, replays, by_mode = time.perf_counter(), self.replays, dict(self.replays_by_mode)
         for name, pad in _PAD.items():
             getattr(self.static, name).fill_(pad)
         for size in self.ladder:
             if size not in self.compiled and size not in self.failed:
                 self._compile_and_run(size, 0)
-        self.replays = replays
+        self.replays, self.replays_by_mode = replays, by_mode
         return time.perf_counter() - t0
 
     def verify_graph_width(self, bs: int) -> None:
@@ -99,15 +104,19 @@ class CpuGraphRunner:
                 buf[bs:size].fill_(pad)
         fn = self.compiled.get(size)
         if fn is None:
-            return self._compile_and_run(size, bs)
+            return self._compile_and_run(size, bs, fb.rows_of or fb.forward_mode)
         captured = self.batches[size]
         captured.seq_lens_cpu = (list(fb.seq_lens_cpu) + [1] * (size - bs)
                                  if fb.seq_lens_cpu is not None else None)
         self.runner.attn_backend.replay_metadata(captured)
-        self.replays += 1
+        self._count(fb.rows_of or fb.forward_mode)
         return fn()[:bs]
 
-    def _compile_and_run(self, size: int, bs: int) -> torch.Tensor | None:
+    def _count(self, mode: ForwardMode) -> None:
+        self.replays += 1
+        self.replays_by_mode[mode] = self.replays_by_mode.get(mode, 0) + 1
+
+    def _compile_and_run(self, size: int, bs: int, mode: ForwardMode = ForwardMode.IDLE) -> torch.Tensor | None:
         model, attn = self.runner.model, self.runner.attn_backend
         fb = self._fb(size)
         fb.attn_metadata = attn.capture_metadata(fb)
@@ -128,5 +137,5 @@ class CpuGraphRunner:
         self.compile_seconds[size] = time.perf_counter() - t0
         log.info("CPU decode graph for batch size %d compiled in %.1f s", size, self.compile_seconds[size])
         self.batches[size], self.compiled[size] = fb, fn
-        self.replays += 1
+        self._count(mode)
         return logits[:bs]

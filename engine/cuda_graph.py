@@ -1,12 +1,16 @@
 """CUDA graphs for DECODE and IDLE batches (section 8.4: decode shapes are fixed, prefill's are not),
-and for TARGET_VERIFY batches whose requests all have the same width (1 + k positions: the
-scheduler pads their drafts, see `ModelRunner.verify_graph_width`).
+for TARGET_VERIFY batches whose requests all have the same width (1 + k positions: the
+scheduler pads their drafts, see `ModelRunner.verify_graph_width`), and, for a block-diffusion
+model, for DLLM_EXTEND batches whose requests each run exactly one block (B positions over their
+committed prefix: every step of a block but its first, whose extend also holds the prompt or
+the committed block before it).
 
 A ladder of batch sizes is captured once, largest first, sharing one memory pool. A decode
 batch is padded to the next captured size: padded rows use request row 0 (all slot 0), a
 sequence length of 1 and KV slot 0 (reserved, never handed out), so they attend to and write
 nothing that matters; their logits are sliced off. A padded verify row is the same with
-`width` positions (0..width-1) and all of them written to slot 0. Prefill, MIXED and batches
+`width` positions (0..width-1) and all of them written to slot 0; a padded DLLM_EXTEND row is
+one too (width B: its block-causal keys are row 0's first B, slot 0). Prefill, MIXED and batches
 larger than the ladder run eagerly. The attention backend must be graph-safe (`graph_safe`: no host sync, no
 shape that depends on values); its hooks own the attention metadata the graphs read
 (`init_cuda_graph_state` once, `capture_metadata` per captured size, `replay_metadata` before
@@ -50,6 +54,19 @@ class PaddedDecode:
     positions: torch.Tensor
 
 
+def token_ladder(ladder: list[int], width: int) -> list[int]:
+    """The sizes of `ladder` whose batches of `width` positions per request hold at most as many
+    tokens as its largest decode batch (their logits, a row per position, stay as large as the
+    decode graphs'); at least [1]."""
+    return [s for s in ladder if s * width <= ladder[-1]] or [1]
+
+
+def fits_width(fb: ForwardBatch, width: int) -> bool:
+    """Every request of the extend batch runs exactly `width` positions."""
+    lens = fb.extend_seq_lens_cpu
+    return lens is not None and len(lens) == fb.batch_size and all(n == width for n in lens)
+
+
 def pad_decode(fb: ForwardBatch, size: int) -> PaddedDecode:
     """The decode (or IDLE) batch's tensors padded to `size` rows: row 0, seq_len 1, slot 0."""
     return pad_verify(fb, size, 1)
@@ -72,7 +89,7 @@ def pad_verify(fb: ForwardBatch, size: int, width: int) -> PaddedDecode:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner, max_bs: int, verify_width: int = 0) -> None:
+    def __init__(self, model_runner, max_bs: int, verify_width: int = 0, dllm_width: int = 0) -> None:
         if model_runner.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
         attn = model_runner.attn_backend
@@ -82,12 +99,17 @@ class CudaGraphRunner:
         self.runner = model_runner
         self.ladder = capture_ladder(max_bs)
         self.verify_width = verify_width  # positions per request of a captured verify batch (0: none)
+        self.dllm_width = dllm_width  # a block-diffusion model's block size B (0: no DLLM_EXTEND graphs)
         dev = model_runner.device
         n = self.ladder[-1]
-        # Verify graphs up to as many tokens as the largest decode graph: their logits (a row per
-        # position) stay as large as the decode graphs'; speculation pays off at small batches.
-        self.verify_ladder = ([s for s in self.ladder if s * verify_width <= n] or [1]) if verify_width else []
-        tokens = max([n] + [s * verify_width for s in self.verify_ladder])
+        # Verify and DLLM_EXTEND graphs up to as many tokens as the largest decode batch (speculation
+        # pays off at small batches; a block's logits are a row per position).
+        self.verify_ladder = token_ladder(self.ladder, verify_width) if verify_width else []
+        self.dllm_ladder = token_ladder(self.ladder, dllm_width) if dllm_width else []
+        # A block-diffusion model runs DLLM_EXTEND batches only: no decode graphs for it.
+        self.decode_ladder = [] if dllm_width else self.ladder
+        tokens = max([n] + [s * verify_width for s in self.verify_ladder]
+                     + [s * dllm_width for s in self.dllm_ladder])
         # Static inputs the graphs read (decode and verify graphs share them: one replays at a
         # time); replay copies a batch into their first rows.
         z = torch.zeros
@@ -102,18 +124,25 @@ class CudaGraphRunner:
         self.batches: dict[tuple[ForwardMode, int], ForwardBatch] = {}
         self.graphs: dict[tuple[ForwardMode, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[ForwardMode, int], torch.Tensor] = {}
-        self.replays: dict[ForwardMode, int] = {ForwardMode.DECODE: 0, ForwardMode.TARGET_VERIFY: 0}
+        self.replays: dict[ForwardMode, int] = dict.fromkeys(
+            (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DLLM_EXTEND), 0)
         self.pool = None
         # One capture stream: the caching allocator reuses a freed block only on its own stream,
         # so graphs captured on one stream share the pool's working memory.
         self.stream = torch.cuda.Stream()
-        for size in reversed(self.ladder):  # largest first: the shared pool fits every smaller graph
+        for size in reversed(self.decode_ladder):  # largest first: the shared pool fits every smaller graph
             self._capture(ForwardMode.DECODE, size)
         for size in reversed(self.verify_ladder):
             self._capture(ForwardMode.TARGET_VERIFY, size)
+        for size in reversed(self.dllm_ladder):
+            self._capture(ForwardMode.DLLM_EXTEND, size)
 
     def _width(self, mode: ForwardMode) -> int:
-        return self.verify_width if mode == ForwardMode.TARGET_VERIFY else 1
+        return {ForwardMode.TARGET_VERIFY: self.verify_width, ForwardMode.DLLM_EXTEND: self.dllm_width}.get(mode, 1)
+
+    def _ladder(self, mode: ForwardMode) -> list[int]:
+        return {ForwardMode.TARGET_VERIFY: self.verify_ladder,
+                ForwardMode.DLLM_EXTEND: self.dllm_ladder}.get(mode, self.decode_ladder)
 
     def _fb(self, mode: ForwardMode, size: int) -> ForwardBatch:
         s, dev = self.static, self.static.input_ids.device
@@ -123,7 +152,7 @@ class CudaGraphRunner:
                           out_cache_loc=s.out_cache_loc[:t], req_pool_indices=s.req_pool_indices[:size],
                           positions=s.positions[:t], seq_lens_cpu=[width] * size,
                           last_token_indices=torch.arange(t, device=dev))
-        if mode == ForwardMode.TARGET_VERIFY:  # every request `width` new tokens, at i * width
+        if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DLLM_EXTEND):  # every request `width` new tokens, at i * width
             fb.extend_seq_lens_cpu = [width] * size
             fb.extend_seq_lens = torch.full((size,), width, dtype=torch.int64, device=dev)
             fb.extend_start_loc = torch.arange(0, t, width, dtype=torch.int64, device=dev)
@@ -135,7 +164,10 @@ class CudaGraphRunner:
         fb = self._fb(mode, size)
         nothing = ForwardBatch(mode, 0, *(torch.empty(0, dtype=torch.int64) for _ in range(5)))
         self._load(pad_verify(nothing, size, self._width(mode)))  # all rows inert: the warm-up reads only slot 0
-        fb.attn_metadata = attn.capture_metadata(fb)
+        if mode == ForwardMode.DLLM_EXTEND:  # block-causal metadata, refreshed by replay_metadata
+            fb.attn_metadata = attn.capture_metadata(fb, block_size=self.dllm_width)
+        else:
+            fb.attn_metadata = attn.capture_metadata(fb)
         self.batches[mode, size] = fb
         stream.wait_stream(torch.cuda.current_stream())  # the inert rows' copies
         with torch.cuda.stream(stream):
@@ -158,17 +190,23 @@ class CudaGraphRunner:
         return self.verify_width if self.verify_ladder and bs <= self.verify_ladder[-1] else None
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        if fb.forward_mode == ForwardMode.TARGET_VERIFY:
+        mode = fb.forward_mode
+        if mode == ForwardMode.TARGET_VERIFY:
             return (self.verify_graph_width(fb.batch_size) is not None
                     and fb.num_tokens == fb.batch_size * self.verify_width)
-        return fb.forward_mode in (ForwardMode.DECODE, ForwardMode.IDLE) and fb.batch_size <= self.ladder[-1]
+        if mode == ForwardMode.DLLM_EXTEND:
+            return (bool(self.dllm_ladder) and 0 < fb.batch_size <= self.dllm_ladder[-1]
+                    and fits_width(fb, self.dllm_width))
+        return (mode in (ForwardMode.DECODE, ForwardMode.IDLE) and bool(self.decode_ladder)
+                and fb.batch_size <= self.decode_ladder[-1])
 
     @torch.inference_mode()
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
-        verify = fb.forward_mode == ForwardMode.TARGET_VERIFY
-        mode = ForwardMode.TARGET_VERIFY if verify else ForwardMode.DECODE
+        mode = fb.forward_mode
+        if mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DLLM_EXTEND):
+            mode = ForwardMode.DECODE  # (IDLE: the decode graphs on padding rows)
         width = self._width(mode)
-        size = padded_size(max(fb.batch_size, 1), self.verify_ladder if verify else self.ladder)
+        size = padded_size(max(fb.batch_size, 1), self._ladder(mode))
         self._load(pad_verify(fb, size, width))
         captured = self.batches[mode, size]
         captured.seq_lens_cpu = (list(fb.seq_lens_cpu) + [width] * (size - fb.batch_size)
@@ -176,4 +214,6 @@ class CudaGraphRunner:
         self.runner.attn_backend.replay_metadata(captured)
         self.graphs[mode, size].replay()
         self.replays[mode] += 1
-        return self.outputs[mode, size][:fb.batch_size * width]
+        logits = self.outputs[mode, size][:fb.batch_size * width]
+        # A block's logits are taken at its masked positions only (the graph computed every row's).
+        return logits[fb.last_token_indices] if mode == ForwardMode.DLLM_EXTEND else logits

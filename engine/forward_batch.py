@@ -95,6 +95,9 @@ class ForwardBatch:
     # The rows' LoRA adapters (kernels.lora segments over the token rows, built with the batch
     # from each request's lora_name); None when no request of the batch names an adapter.
     lora_info: LoRABatchInfo | None = None
+    # A DECODE batch of one row per token built from a batch of another mode (TARGET_VERIFY,
+    # DLLM_EXTEND: `verify_as_decode_rows`, `dllm_as_decode_rows`): that mode; None otherwise.
+    rows_of: ForwardMode | None = None
 
     def resolve_forward_inputs(self, device: torch.device) -> None:
         """Copy the host-staged inputs to the device, on the current (forward) stream. The
@@ -127,7 +130,27 @@ class ForwardBatch:
                             seq_lens=seq_lens, out_cache_loc=self.out_cache_loc, req_pool_indices=rows,
                             positions=self.positions, seq_lens_cpu=seq_lens.tolist(),
                             last_token_indices=torch.arange(self.num_tokens, device=self.positions.device),
-                            lora_info=self.lora_info)  # the same rows in the same order
+                            lora_info=self.lora_info,  # the same rows in the same order
+                            rows_of=ForwardMode.TARGET_VERIFY)
+
+    def dllm_as_decode_rows(self, block_size: int) -> ForwardBatch:
+        """This DLLM_EXTEND batch as a DECODE batch of one row per token: the row at position i
+        attends over its request's first min((i // B + 1) * B, seq_len) keys, which is block-causal
+        attention (the decode kernels store every row's KV before any row attends, so a row sees
+        the later positions of its block). Logits come back for every row, in the same order: the
+        caller takes `last_token_indices` of them. On the CPU the fused decode kernel (and the
+        decode graphs, where the rows fit the ladder) then runs block diffusion."""
+        dev = self.req_pool_indices.device
+        ext = self.extend_seq_lens.to(dev)
+        rows = self.req_pool_indices.repeat_interleave(ext, output_size=self.num_tokens)
+        ends = self.seq_lens.to(dev).repeat_interleave(ext, output_size=self.num_tokens)
+        positions = self.positions.to(dev)
+        seq_lens = torch.minimum((positions // block_size + 1) * block_size, ends)
+        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=self.num_tokens, input_ids=self.input_ids,
+                            seq_lens=seq_lens, out_cache_loc=self.out_cache_loc, req_pool_indices=rows,
+                            positions=positions, seq_lens_cpu=seq_lens.tolist(),
+                            last_token_indices=torch.arange(self.num_tokens, device=dev),
+                            lora_info=self.lora_info, rows_of=ForwardMode.DLLM_EXTEND)
 
     @property
     def num_tokens(self) -> int:

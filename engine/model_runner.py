@@ -150,7 +150,10 @@ class ModelRunner:
             from engine.cuda_graph import CudaGraphRunner
 
             verify_width = 1 + config.speculative_num_draft_tokens if config.speculative_algorithm else 0
-            self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running), verify_width)
+            # A block-diffusion model runs DLLM_EXTEND batches only: graphs of one block per request.
+            dllm_width = cfg.dllm_block_size if cfg.is_dllm else 0
+            self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, max_running), verify_width,
+                                                dllm_width)
             if self.model.expert_tokens is not None:  # capture's warm-up forwards are no traffic
                 self.model.expert_tokens.zero_()
         elif (not cuda and cpu_graphs_enabled(config, self.dtype) and mlp_shard[1] == 1 and self.tp_size == 1
@@ -159,7 +162,9 @@ class ModelRunner:
             from engine.cpu_graph import CpuGraphRunner
 
             max_bs = config.cpu_graph_max_bs or config.cuda_graph_max_bs
-            self.graph_runner = CpuGraphRunner(self, min(max_bs, max_running))
+            # Rows, not requests: a DLLM_EXTEND batch is a row per token, a block or more per request.
+            rows = max_running * (cfg.dllm_block_size if cfg.is_dllm else 1)
+            self.graph_runner = CpuGraphRunner(self, min(max_bs, rows))
             if not config.enable_lazy_cpu_graph:
                 seconds = self.graph_runner.compile_all()
                 if self.model.expert_tokens is not None:  # warm-up forwards are no traffic
@@ -168,6 +173,9 @@ class ModelRunner:
         # On the CPU a verify batch runs as decode rows: the fused C++ decode kernel (and the CPU
         # decode graphs) instead of the extend attention.
         self.verify_as_decode = not cuda and self.attn_backend.cpu_graph_safe
+        # Likewise a DLLM_EXTEND batch (block-causal attention as decode rows, each up to its
+        # block's end), graphs or not, so that graphed and eager forwards run the same kernels.
+        self.dllm_as_decode = self.verify_as_decode and cfg.is_dllm
         # Greedy ids of a plain greedy batch land here (the kernel's argmax), and go to the host
         # as a list at once, so the buffers are free for the next batch.
         self.greedy_ids = self.greedy_void = None
@@ -302,6 +310,9 @@ class ModelRunner:
 
     def run_forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """`forward` without sending the batch to the other ranks (what they run it with)."""
+        if self.dllm_as_decode and fb.forward_mode.is_dllm_extend():
+            logits = self.run_forward(fb.dllm_as_decode_rows(self.model_config.dllm_block_size))
+            return logits[fb.last_token_indices]  # the masked positions' rows
         # Graphs are captured without adapters: a batch with adapter rows runs eagerly.
         if self.graph_runner is not None and fb.lora_info is None and self.graph_runner.can_run(fb):
             logits = self.graph_runner.replay(fb)

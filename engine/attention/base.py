@@ -43,12 +43,14 @@ class AttentionBackend(abc.ABC):
       CPU decode graphs of engine/cpu_graph.py need exactly this: `cpu_graph_safe`).
     - Graph hooks, used by engine/cuda_graph.py (and engine/cpu_graph.py) for DECODE batches
       padded to a captured size (padded rows: request row 0, seq_len 1, KV slot 0), and on CUDA
-      for TARGET_VERIFY batches of a fixed width w (padded rows: row 0, seq_len w, slot 0). Graph-safe
+      for TARGET_VERIFY and (a block-diffusion model) DLLM_EXTEND batches of a fixed width w
+      (padded rows: row 0, seq_len w, slot 0). Graph-safe
       backends override all three; the base refuses them for a backend that is not graph-safe.
         `init_cuda_graph_state(max_bs)`: once, before any capture; allocate the persistent
             buffers the graphs will read metadata from.
-        `capture_metadata(fb)`: metadata for capturing `fb`, whose tensors are the graph
-            runner's static inputs sliced to the captured size. Whatever tensor it returns is
+        `capture_metadata(fb, block_size=0)`: metadata for capturing `fb`, whose tensors are the
+            graph runner's static inputs sliced to the captured size (`block_size`: a DLLM_EXTEND
+            batch's block-causal blocks). Whatever tensor it returns is
             baked into the graph, so it must live in the persistent state, not be rebuilt.
         `replay_metadata(fb)`: before a replay of the graph captured with `fb`; the runner has
             copied the padded batch into fb's static tensors (and set `fb.seq_lens_cpu`).
@@ -108,7 +110,7 @@ class AttentionBackend(abc.ABC):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         self._graph_hook_missing("init_cuda_graph_state")
 
-    def capture_metadata(self, fb: ForwardBatch) -> Any:
+    def capture_metadata(self, fb: ForwardBatch, block_size: int = 0) -> Any:
         self._graph_hook_missing("capture_metadata")
 
     def replay_metadata(self, fb: ForwardBatch) -> None:

@@ -77,15 +77,24 @@ class TritonAttnBackend(AttentionBackend):
                                          fb.extend_seq_lens, fb.extend_start_loc, md.max_extend, self.scale)
 
     # === CUDA graphs: the kernels read the runner's static rows and lengths directly, so there
-    # is no extra state to allocate and nothing to refresh before a replay; a verify graph's
-    # extend grid is fixed by its width. ===
+    # is no extra state to allocate; a verify graph's extend grid is fixed by its width. A
+    # DLLM_EXTEND graph (`block_size` > 0, every request one block) reads its per-token rows and
+    # key counts from the metadata built at capture, which replay_metadata recomputes in place. ===
     def init_cuda_graph_state(self, max_bs: int) -> None:
         pass
 
-    def capture_metadata(self, fb: ForwardBatch) -> TritonAttnMetadata:
-        if not (fb.forward_mode.is_decode() or fb.forward_mode.is_target_verify()):
-            raise ValueError(f"CUDA graphs capture DECODE and TARGET_VERIFY batches only, got {fb.forward_mode.name}")
+    def capture_metadata(self, fb: ForwardBatch, block_size: int = 0) -> TritonAttnMetadata:
+        mode = fb.forward_mode
+        if block_size and mode.is_dllm_extend():
+            return self.init_forward_metadata(fb, block_size=block_size)
+        if not (mode.is_decode() or mode.is_target_verify()):
+            raise ValueError(f"CUDA graphs capture DECODE, TARGET_VERIFY and block-causal DLLM_EXTEND "
+                             f"batches only, got {mode.name}")
         return self.init_forward_metadata(fb)
 
     def replay_metadata(self, fb: ForwardBatch) -> None:
-        pass
+        md: TritonAttnMetadata = fb.attn_metadata
+        if md is not None and md.token_rows is not None:  # device ops on the static tensors: no host sync
+            fresh = self.init_forward_metadata(fb, block_size=md.block_size)
+            md.token_rows.copy_(fresh.token_rows)
+            md.token_kv_lens.copy_(fresh.token_kv_lens)

@@ -23,9 +23,6 @@ class SDARForCausalLM(LlamaForCausalLM):
     `block_size` is config.json's (`ModelConfig.dllm_block_size`), which must give it and
     `mask_token_id`."""
 
-    # Its forwards are DLLM extends: CPU decode graphs would be compiled for nothing.
-    cpu_graph_safe = False
-
     def __init__(
         self,
         cfg: ModelConfig,
