@@ -147,11 +147,15 @@ def test_slice_batch_info():
         (dict(speculative_algorithm="ngram"), "TARGET_VERIFY"),
         (dict(enable_split_prefill=True, split_forward_token_budget=8), "SPLIT_PREFILL"),
         (dict(max_loras_per_batch=1, max_loaded_loras=1), "DECODE"),
+        # The base model as the draft, without the adapters: the target verifies with them.
+        (dict(speculative_algorithm="draft_model"), "TARGET_VERIFY"),
     ],
-    ids=["chunked", "overlap", "mixed", "ngram", "split", "one_slot_reload"],
+    ids=["chunked", "overlap", "mixed", "ngram", "split", "one_slot_reload", "draft_model"],
 )
 def test_batching_modes(model_dirs, loras, kw, mode):
     _, ref = loras
+    if kw.get("speculative_algorithm") == "draft_model":
+        kw = dict(kw, speculative_draft_model_path=model_dirs["llama"])
     eng = make(model_dirs, loras, **{"max_loras_per_batch": 3, **kw})
     prompts = PROMPTS + [p * 3 for p in PROMPTS[:2]]  # (repeats: n-gram drafts)
     names = NAMES + ["qv4", "all8"]
@@ -361,3 +365,26 @@ def test_kv_index_keys_paths_by_adapter():
         0, KVEventBatch("x", 4, [KVEvent("removed", [1, 2, 3, 4, 5], 2, "device", "a")])
     )
     assert index.match(0, [1, 2, 3, 4, 5], "a") == 2 and index.match(0, [1, 2, 3]) == 2
+
+
+def test_structured_outputs_under_adapters(model_dirs, loras):
+    """A JSON schema constrains each adapter's output: in one batch of several adapters and the
+    base model, every output parses, fits the schema, and equals that request run alone."""
+    import json
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = SamplingParams(max_new_tokens=24, temperature=0, json_schema=json.dumps(schema))
+    eng = make(model_dirs, loras, max_loras_per_batch=3)
+    names = ["all8", "qv4", None, "mlp16"]
+    prompts = PROMPTS[:4]
+    outs = eng.generate(input_ids=prompts, sampling_params=params, lora_name=names)
+    for p, name, o in zip(prompts, names, outs):
+        assert o.error is None, o.error
+        if o.finish_reason == "stop":  # (a length-cut output is a prefix of valid JSON)
+            assert isinstance(json.loads(o.text)["n"], int), o.text
+        alone = eng.generate(input_ids=p, sampling_params=params, lora_name=name)
+        assert alone.token_ids == o.token_ids, name
+    assert any(o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the adapters do change the outputs
+    eng.check_memory()
+    eng.shutdown()
