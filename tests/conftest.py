@@ -157,6 +157,15 @@ class HFReference:
         return torch.log_softmax(logits.float(), dim=-1)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread for the module (as every xdist worker has anyway)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def hf() -> HFReference:
     torch.manual_seed(0)

@@ -79,3 +79,24 @@ def tree_paths(cache) -> set[tuple[int, ...]]:
             paths.add(path)
         stack.extend((c, path) for c in node.children.values())
     return paths
+
+
+def write_peft_adapters(model_path: str, root, specs: dict[str, dict], seed: int) -> dict[str, str]:
+    """PEFT adapter folders of the checkpoint at model_path under `root`, one per name in `specs`
+    (LoraConfig keyword arguments), random A and B (PEFT's default zero B would make every
+    update 0): name -> folder. peft and transformers are imported here, for the callers that
+    skip without them."""
+    import copy
+
+    import peft
+    import torch
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    folders = {}
+    for i, (name, kw) in enumerate(specs.items()):
+        torch.manual_seed(seed + i)
+        model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw))
+        folders[name] = str(root / name)
+        model.save_pretrained(folders[name])
+    return folders

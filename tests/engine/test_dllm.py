@@ -33,13 +33,8 @@ CPU = torch.device("cpu")
 MODEL = "builtin-dllm"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: one intra-op thread is faster than two on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small tensors: one intra-op thread is faster than two on a shared, busy machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

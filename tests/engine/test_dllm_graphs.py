@@ -36,13 +36,8 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: one intra-op thread is faster than two on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small tensors: one intra-op thread is faster than two on a shared, busy machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def dllm_batch(prefix: list[int], ext: list[int], rows: list[int]) -> ForwardBatch:

@@ -6,7 +6,6 @@ preferring the one holding it in host memory); batch lines naming an adapter. Re
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import msgspec
 import numpy as np
@@ -14,14 +13,14 @@ import pyarrow as pa
 import pytest
 import ray
 
-peft = pytest.importorskip("peft", reason="needs peft (python3 -m pip install --no-deps peft)")
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+pytest.importorskip("peft", reason="needs peft (python3 -m pip install --no-deps peft)")
+pytest.importorskip("transformers")
 
 from actors.protocol import adapter_path, adapter_root  # noqa: E402
 from cluster import ClusterConfig  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.lora import LoRAAdapterError, UnknownLoRAError  # noqa: E402
+from tests.helpers import write_peft_adapters  # noqa: E402
 
 pytestmark = pytest.mark.ray
 N = 8
@@ -41,16 +40,7 @@ NAMES = ["a", "b", None, "a", None, "b"]
 @pytest.fixture(scope="module")
 def folders(model_dirs, tmp_path_factory) -> dict[str, str]:
     """PEFT adapter folders of the "llama" checkpoint, by name."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
-    root = tmp_path_factory.mktemp("cluster-loras")
-    out = {}
-    for i, (name, kw) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(40 + i)
-        # init_lora_weights=False: B random too (PEFT's zero B would make every update 0).
-        model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw))
-        out[name] = str(root / name)
-        model.save_pretrained(out[name])
-    return out
+    return write_peft_adapters(model_dirs["llama"], tmp_path_factory.mktemp("cluster-loras"), ADAPTERS, seed=40)
 
 
 @pytest.fixture(scope="module")

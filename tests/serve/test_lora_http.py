@@ -5,18 +5,17 @@ key and the allowed root. One app: one engine with one adapter loaded at start."
 
 from __future__ import annotations
 
-import copy
 import os
 
 import httpx
 import openai
 import pytest
 
-peft = pytest.importorskip("peft", reason="needs peft (python3 -m pip install --no-deps peft)")
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+pytest.importorskip("peft", reason="needs peft (python3 -m pip install --no-deps peft)")
+pytest.importorskip("transformers")
 
 from engine import Engine, SamplingParams  # noqa: E402
+from tests.helpers import write_peft_adapters  # noqa: E402
 from tests.serve.helpers import wait_for_engines  # noqa: E402
 
 KEY = "sk-lora-test"
@@ -32,15 +31,8 @@ ADAPTERS = {"a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v
 @pytest.fixture(scope="module")
 def folders(model_dirs, tmp_path_factory) -> dict[str, str]:
     """PEFT adapters of the "llama" checkpoint under one root folder (the app's allowed root)."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
     root = tmp_path_factory.mktemp("http-loras")
-    out = {"root": str(root)}
-    for i, (name, kw) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(70 + i)
-        model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(init_lora_weights=False, **kw))
-        out[name] = str(root / name)
-        model.save_pretrained(out[name])
-    return out
+    return {"root": str(root), **write_peft_adapters(model_dirs["llama"], root, ADAPTERS, seed=70)}
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ pytestmark = pytest.mark.serve
 class _FakeRouter:
     disaggregated = False
 
-    def pick(self, input_ids, cost, exclude=frozenset(), pool=None):
+    def pick(self, input_ids, cost, exclude=frozenset(), pool=None, lora_name=None):
         return 0
 
-    def done(self, idx, cost, input_ids):
+    def done(self, idx, cost, input_ids, lora_name=None):
         pass
 
 
