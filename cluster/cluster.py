@@ -69,6 +69,7 @@ class Cluster:
         # Adapters loaded at run time through this cluster: name -> (folder, pinned), loaded
         # again on an engine that joins or restarts (lora_paths adapters it loads by itself).
         self._runtime_loras: dict[str, tuple[str, bool]] = {}
+        self._lora_updates = threading.Lock()  # one load or unload at a time: each is all or nothing
         self._lora_refreshed = 0.0
         self._adapter_syncs: dict[int, concurrent.futures.Future] = {}  # engine -> its first adapter sync
         try:
@@ -279,20 +280,27 @@ class Cluster:
             return any(self.router.serves(i, name) for i in self.router.healthy())
 
     def lora_adapters(self) -> list[str]:
-        """The adapters the engines serve (sorted), as they report them now."""
-        self.refresh_lora_adapters()
+        """The adapters the engines serve (sorted), as they reported them at most LORA_REFRESH_S
+        ago (another front end may have loaded or unloaded one since)."""
+        if time.monotonic() - self._lora_refreshed >= LORA_REFRESH_S:
+            self.refresh_lora_adapters()
         with self._lock:
             return self.router.adapter_names()
 
     def refresh_lora_adapters(self) -> None:
-        """Ask every engine for its adapters (the router's view of them)."""
+        """Ask every engine for its adapters (the router's view of them), all at once, waiting
+        at most 10 s for the lot."""
         self._lora_refreshed = time.monotonic()
         with self._lock:
             live = [(i, e.actor.lora_adapters.remote()) for i, e in enumerate(self.engines) if not e.retired]
+        ready, _ = ray.wait([ref for _, ref in live], num_returns=len(live), timeout=10) if live else ([], [])
+        ready = set(ready)
         for i, ref in live:
             try:
-                self._take_adapters(i, decode_lora_adapters(ray.get(ref, timeout=10)))
-            except Exception as e:  # unreachable: its last report stands
+                if ref not in ready:
+                    raise TimeoutError
+                self._take_adapters(i, decode_lora_adapters(ray.get(ref)))
+            except Exception as e:  # unreachable or slow: its last report stands
                 log.warning("could not read engine %d's LoRA adapters: %s", i, type(e).__name__)
 
     def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
@@ -301,6 +309,10 @@ class Cluster:
         nothing: a bad adapter (LoRAAdapterError, naming it and the problem) is unloaded again
         from the engines that took it; an engine that does not answer gets it when it comes back.
         `pinned`: never evicted from the engines' host memory."""
+        with self._lora_updates:
+            self._load_lora_adapter(name, path, pinned)
+
+    def _load_lora_adapter(self, name: str, path: str, pinned: bool) -> None:
         with self._lock:
             live = [(i, e.actor.load_lora_adapter.remote(name, path, pinned))
                     for i, e in enumerate(self.engines) if not e.retired]
@@ -331,6 +343,10 @@ class Cluster:
         """Unload adapter `name` from every engine: new requests naming it are refused; running
         ones finish with it. True if it is gone everywhere now, False if it goes when they end.
         UnknownLoRAError if no engine serves it."""
+        with self._lora_updates:
+            return self._unload_lora_adapter(name)
+
+    def _unload_lora_adapter(self, name: str) -> bool:
         self._runtime_loras.pop(name, None)
         with self._lock:
             live = [(i, e.actor.unload_lora_adapter.remote(name)) for i, e in enumerate(self.engines) if not e.retired]

@@ -488,6 +488,9 @@ class Router:
         was = self.loads[engine].healthy
         if not healthy and was:
             self.forget(engine)  # a restarted engine starts cold
+            # ...and may have lost the adapters loaded at run time: none routed there until it
+            # reports them again (the owner's on_recover asks it).
+            self.adapters[engine] = EngineAdapters()
         self.loads[engine].healthy = healthy
         if healthy and not was and self.on_recover is not None:
             self.on_recover(engine)

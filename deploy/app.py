@@ -94,11 +94,19 @@ async def read_body(request: Request, limit: int) -> bytearray | None:
 
 
 def allowed_lora_path(path: str, root: str) -> str:
-    """`path` resolved (symbolic links, `..`) if it lies under folder `root` (resolved too);
-    InvalidRequestError naming lora_path otherwise."""
+    """`path` resolved (symbolic links, `..`) if it lies under folder `root` (resolved too), and
+    so does every entry in it (a link inside may not lead out); InvalidRequestError naming
+    lora_path otherwise."""
     real, top = os.path.realpath(path), os.path.realpath(root)
-    if not os.path.isabs(path) or os.path.commonpath([real, top]) != top:
+
+    def outside(p: str) -> bool:
+        return os.path.commonpath([p, top]) != top
+
+    if not os.path.isabs(path) or outside(real):
         raise InvalidRequestError(f"lora_path {path!r} is not an absolute path under the allowed LoRA root "
+                                  "(allowed_lora_root)", "lora_path")
+    if os.path.isdir(real) and any(outside(os.path.realpath(e.path)) for e in os.scandir(real)):
+        raise InvalidRequestError(f"lora_path {path!r} holds a link that leads out of the allowed LoRA root "
                                   "(allowed_lora_root)", "lora_path")
     return real
 

@@ -73,8 +73,8 @@ class _OldFlag(argparse.Action):
 
 def parse_mapping(text: str) -> dict[str, Any]:
     """A mapping flag's value: a JSON object, or `name=value` pairs separated by commas or spaces
-    (SGLang's `--lora-paths name=path` form; each value read as JSON where it parses, else kept as
-    text)."""
+    (SGLang's `--lora-paths name=path` form; a value that reads as a number is one, any other is
+    text: a folder named `true` stays a folder)."""
     text = text.strip()
     if text.startswith("{"):
         return msgspec.json.decode(text)
@@ -84,9 +84,10 @@ def parse_mapping(text: str) -> dict[str, Any]:
         if not sep or not name:
             raise argparse.ArgumentTypeError(f"expected a JSON object or name=value pairs, got {item!r}")
         try:
-            out[name] = msgspec.json.decode(value)
+            number = msgspec.json.decode(value)
         except msgspec.DecodeError:
-            out[name] = value
+            number = None
+        out[name] = number if isinstance(number, (int, float)) and not isinstance(number, bool) else value
     return out
 
 

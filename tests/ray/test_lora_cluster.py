@@ -97,6 +97,20 @@ def test_router_keeps_adapters_where_they_are_served_and_held(policy):
     r.done(0, 10, [3, 3, 3], "a")
 
 
+def test_an_engine_that_went_down_serves_no_adapter_until_it_reports_again():
+    from cluster.routing import Router
+
+    r = Router("kv_events", 2)
+    r.set_adapters(0, ["a"], ["a"], 1)
+    r.set_adapters(1, ["a"], [], 1)
+    r.set_healthy(0, False)
+    r.set_healthy(0, True)  # back, perhaps restarted without "a" (loaded at run time)
+    assert not r.serves(0, "a") and r.serves(1, "a")
+    assert r.pick([1, 2, 3], 10, lora_name="a") == 1
+    r.set_adapters(0, ["a"], ["a"], 1)  # its report, once the owner has loaded "a" there again
+    assert r.serves(0, "a")
+
+
 def test_kv_events_scores_affinity_with_the_cache_match():
     from cluster.routing import Router
     from engine.cache_manager import KVEvent

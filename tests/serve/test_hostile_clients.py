@@ -346,8 +346,12 @@ def test_stream_whose_engines_die_ends_with_an_error_and_a_finish_reason(app):
     assert events[errors[0]]["error"]["code"] == "engine_error"
     final = events[errors[0] + 1]
     assert final["choices"][0]["finish_reason"] == "abort"
+    # Back when the front end routes again: its health and then a request (the fleet's view of
+    # the replaced engines reaches it a moment after they answer health checks).
     deadline = time.monotonic() + 120
-    while httpx.get(f"{base}/health").status_code != 200:
+    probe = {"prompt": "hello", "max_tokens": 1, "temperature": 0}
+    while (httpx.get(f"{base}/health").status_code != 200
+           or httpx.post(f"{base}/v1/completions", json=probe, timeout=60).status_code != 200):
         assert time.monotonic() < deadline, "the engines did not come back"
         time.sleep(0.5)
     # Serve replaced the engine replicas: new engines, found by name again.
