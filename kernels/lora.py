@@ -53,6 +53,18 @@ class LoRABatchInfo(NamedTuple):
         return self.seg_indptr_host[-1]
 
 
+def _info(indptr: list[int], indices: list[int], device: torch.device | str) -> LoRABatchInfo:
+    """The batch info of segment bounds `indptr` and their slots `indices` (on the host too)."""
+    max_len = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
+    return LoRABatchInfo(
+        torch.tensor(indptr, dtype=torch.int32, device=device),
+        torch.tensor(indices, dtype=torch.int32, device=device),
+        max_len,
+        tuple(indptr),
+        tuple(indices),
+    )
+
+
 def batch_info(
     slots: Sequence[int], rows: Sequence[int] | None = None, device: torch.device | str = "cpu"
 ) -> LoRABatchInfo:
@@ -73,14 +85,7 @@ def batch_info(
         else:
             indices.append(int(slot))
             indptr.append(indptr[-1] + n)
-    max_len = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
-    return LoRABatchInfo(
-        torch.tensor(indptr, dtype=torch.int32, device=device),
-        torch.tensor(indices, dtype=torch.int32, device=device),
-        max_len,
-        tuple(indptr),
-        tuple(indices),
-    )
+    return _info(indptr, indices, device)
 
 
 class LoRAWeights(NamedTuple):
@@ -210,12 +215,4 @@ def slice_batch_info(info: LoRABatchInfo, start: int, stop: int) -> LoRABatchInf
         if lo < hi:
             indices.append(s)
             indptr.append(indptr[-1] + hi - lo)
-    max_len = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
-    device = info.seg_indptr.device
-    return LoRABatchInfo(
-        torch.tensor(indptr, dtype=torch.int32, device=device),
-        torch.tensor(indices, dtype=torch.int32, device=device),
-        max_len,
-        tuple(indptr),
-        tuple(indices),
-    )
+    return _info(indptr, indices, info.seg_indptr.device)

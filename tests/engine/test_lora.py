@@ -16,22 +16,14 @@ transformers = pytest.importorskip("transformers")
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.cache_manager import KVEvent  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
-from engine.lora import LoRAAdapterError, UnknownLoRAError  # noqa: E402
+from engine.lora import TARGET_MODULES, LoRAAdapterError, UnknownLoRAError  # noqa: E402
 
 # name -> LoraConfig kwargs: every projection; q and v only (rsLoRA); the MLP only, per-module rank.
 ADAPTERS = {
     "all8": dict(
         r=8,
         lora_alpha=16,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        target_modules=list(TARGET_MODULES),
     ),
     "qv4": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
     "mlp16": dict(

@@ -20,6 +20,7 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.errors import ConfigError, InvalidRequestError  # noqa: E402
 from engine.lora import (  # noqa: E402
     PROJECTION_GROUPS,
+    TARGET_MODULES,
     LoRAAdapterError,
     LoRAConfig,
     LoRAManager,
@@ -46,15 +47,7 @@ ADAPTERS = {
     "all8": dict(
         r=8,
         lora_alpha=16,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        target_modules=list(TARGET_MODULES),
     ),
     "qv4": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"]),
     "mlp16": dict(

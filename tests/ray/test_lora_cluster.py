@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from actors.protocol import adapter_path, adapter_root  # noqa: E402
 from cluster import ClusterConfig  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
-from engine.lora import LoRAAdapterError, UnknownLoRAError  # noqa: E402
+from engine.lora import TARGET_MODULES, LoRAAdapterError, UnknownLoRAError  # noqa: E402
 from tests.helpers import write_peft_adapters  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -27,8 +27,7 @@ N = 8
 GREEDY = SamplingParams(max_new_tokens=N, temperature=0.0, ignore_eos=True)
 # Loaded at start: every projection, rank 8; q and v only, rank 4. "extra" is loaded at run time.
 ADAPTERS = {
-    "a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                  "down_proj"]),
+    "a": dict(r=8, lora_alpha=16, target_modules=list(TARGET_MODULES)),
     "b": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     "extra": dict(r=4, lora_alpha=4, target_modules=["o_proj", "down_proj"]),
 }

@@ -15,6 +15,7 @@ pytest.importorskip("peft", reason="needs peft (python3 -m pip install --no-deps
 pytest.importorskip("transformers")
 
 from engine import Engine, SamplingParams  # noqa: E402
+from engine.lora import TARGET_MODULES  # noqa: E402
 from tests.helpers import write_peft_adapters  # noqa: E402
 from tests.serve.helpers import wait_for_engines  # noqa: E402
 
@@ -23,8 +24,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BASE = "tiny-base"
 PROMPT = "Hello adapters"
 N = 12
-ADAPTERS = {"a": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                           "up_proj", "down_proj"]),
+ADAPTERS = {"a": dict(r=8, lora_alpha=16, target_modules=list(TARGET_MODULES)),
             "b": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])}
 
 
