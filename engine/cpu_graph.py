@@ -1,7 +1,7 @@
 """Decode graphs on the CPU: the twin of CUDA graphs (engine/cuda_graph.py), built with torch.compile.
 
 A DECODE (or IDLE) batch, or a TARGET_VERIFY or DLLM_EXTEND batch run as decode rows
-(`ForwardBatch.verify_as_decode_rows`, `dllm_as_decode_rows`), is padded to the next size of the
+(`ForwardBatch.as_decode_rows`), is padded to the next size of the
 CUDA graphs' ladder, up to cpu_graph_max_bs (padded rows: request row 0, seq_len 1, KV slot 0:
 inert), copied into static input buffers and run by that size's compiled forward: the model's decode forward
 (`forward_decode`, through the attention backend's fused RoPE + KV store + attention) compiled
@@ -75,7 +75,7 @@ class CpuGraphRunner:
 
     def verify_graph_width(self, bs: int) -> None:
         """No padded verify shape on the CPU: a verify batch runs as decode rows
-        (`ForwardBatch.verify_as_decode_rows`), which replay the decode graphs where they fit."""
+        (`ForwardBatch.as_decode_rows`), which replay the decode graphs where they fit."""
         return None
 
     def can_run(self, fb: ForwardBatch) -> bool:

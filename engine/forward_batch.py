@@ -96,7 +96,7 @@ class ForwardBatch:
     # from each request's lora_name); None when no request of the batch names an adapter.
     lora_info: LoRABatchInfo | None = None
     # A DECODE batch of one row per token built from a batch of another mode (TARGET_VERIFY,
-    # DLLM_EXTEND: `verify_as_decode_rows`, `dllm_as_decode_rows`): that mode; None otherwise.
+    # DLLM_EXTEND: `as_decode_rows`): that mode; None otherwise.
     rows_of: ForwardMode | None = None
 
     def resolve_forward_inputs(self, device: torch.device) -> None:
@@ -119,27 +119,14 @@ class ForwardBatch:
         self.extend_start_loc = torch.tensor(starts)
         return starts
 
-    def verify_as_decode_rows(self) -> ForwardBatch:
-        """This TARGET_VERIFY batch as a DECODE batch of one row per position: each row attends
-        over its request's KV up to its own position (the decode kernels store every row's KV
-        before any row attends), which is the verify mask; logits come back for every row, in
-        the same order. The CPU decode kernel (and its graphs) then runs verify batches."""
-        rows = self.req_pool_indices.repeat_interleave(self.extend_seq_lens.to(self.req_pool_indices.device))
-        seq_lens = self.positions + 1
-        return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=self.num_tokens, input_ids=self.input_ids,
-                            seq_lens=seq_lens, out_cache_loc=self.out_cache_loc, req_pool_indices=rows,
-                            positions=self.positions, seq_lens_cpu=seq_lens.tolist(),
-                            last_token_indices=torch.arange(self.num_tokens, device=self.positions.device),
-                            lora_info=self.lora_info,  # the same rows in the same order
-                            rows_of=ForwardMode.TARGET_VERIFY)
-
-    def dllm_as_decode_rows(self, block_size: int) -> ForwardBatch:
-        """This DLLM_EXTEND batch as a DECODE batch of one row per token: the row at position i
-        attends over its request's first min((i // B + 1) * B, seq_len) keys, which is block-causal
-        attention (the decode kernels store every row's KV before any row attends, so a row sees
-        the later positions of its block). Logits come back for every row, in the same order: the
-        caller takes `last_token_indices` of them. On the CPU the fused decode kernel (and the
-        decode graphs, where the rows fit the ladder) then runs block diffusion."""
+    def as_decode_rows(self, block_size: int = 1) -> ForwardBatch:
+        """This TARGET_VERIFY or DLLM_EXTEND batch as a DECODE batch of one row per token: the
+        row at position i attends over its request's first min((i // B + 1) * B, seq_len) keys,
+        B = `block_size` (the decode kernels store every row's KV before any row attends, so a row
+        sees the later positions of its block). B = 1 is causal attention, a verify batch's mask;
+        a block-diffusion model's block size is its block-causal attention. Logits come back for
+        every row, in the same order. On the CPU the fused decode kernel (and the decode graphs,
+        where the rows fit the ladder) then runs these batches."""
         dev = self.req_pool_indices.device
         ext = self.extend_seq_lens.to(dev)
         rows = self.req_pool_indices.repeat_interleave(ext, output_size=self.num_tokens)
@@ -150,7 +137,8 @@ class ForwardBatch:
                             seq_lens=seq_lens, out_cache_loc=self.out_cache_loc, req_pool_indices=rows,
                             positions=positions, seq_lens_cpu=seq_lens.tolist(),
                             last_token_indices=torch.arange(self.num_tokens, device=dev),
-                            lora_info=self.lora_info, rows_of=ForwardMode.DLLM_EXTEND)
+                            lora_info=self.lora_info,  # the same rows in the same order
+                            rows_of=self.forward_mode)
 
     @property
     def num_tokens(self) -> int:

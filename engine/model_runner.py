@@ -311,7 +311,7 @@ class ModelRunner:
     def run_forward(self, fb: ForwardBatch) -> torch.Tensor | None:
         """`forward` without sending the batch to the other ranks (what they run it with)."""
         if self.dllm_as_decode and fb.forward_mode.is_dllm_extend():
-            logits = self.run_forward(fb.dllm_as_decode_rows(self.model_config.dllm_block_size))
+            logits = self.run_forward(fb.as_decode_rows(self.model_config.dllm_block_size))
             return logits[fb.last_token_indices]  # the masked positions' rows
         # Graphs are captured without adapters: a batch with adapter rows runs eagerly.
         if self.graph_runner is not None and fb.lora_info is None and self.graph_runner.can_run(fb):
@@ -390,7 +390,7 @@ class ModelRunner:
         """TARGET_VERIFY: logits at every draft position, then what each request keeps
         (engine/speculative.py), on the host: the next step drafts from the tokens kept."""
         widths = fb.extend_seq_lens_cpu
-        logits = self.forward(fb.verify_as_decode_rows() if self.verify_as_decode else fb)
+        logits = self.forward(fb.as_decode_rows() if self.verify_as_decode else fb)
         if any(n != 1 + len(d) for n, d in zip(widths, drafts)):  # padded: keep the drafts' rows
             starts = itertools.accumulate(widths, initial=0)
             keep = [j for s, d in zip(starts, drafts) for j in range(s, s + 1 + len(d))]

@@ -1,5 +1,5 @@
 """Graphs for DLLM_EXTEND (block diffusion). On the CPU a DLLM_EXTEND batch runs as decode rows
-(`ForwardBatch.dllm_as_decode_rows`: each token a row over its request's keys up to its block's
+(`ForwardBatch.as_decode_rows`: each token a row over its request's keys up to its block's
 end), graphs or not, so the CPU decode graphs replay it where its rows fit the ladder: the
 outputs with graphs on are the eager ones, token for token. On CUDA the graph runner captures
 DLLM_EXTEND batches of one block per request (width B) with block-causal metadata refreshed in
@@ -63,7 +63,7 @@ def test_dllm_batch_as_decode_rows_is_block_causal():
     committed block 8..11 and the next, 12..15) and one mid-block (16..19), B = 4: a row per
     token, each over its request's keys up to its block's end."""
     fb = dllm_batch([0, 8, 16], [8, 8, 4], [3, 1, 2])
-    rows = fb.dllm_as_decode_rows(4)
+    rows = fb.as_decode_rows(4)
     assert rows.forward_mode == ForwardMode.DECODE and rows.rows_of == ForwardMode.DLLM_EXTEND
     assert rows.batch_size == rows.num_tokens == 20
     assert rows.req_pool_indices.tolist() == [3] * 8 + [1] * 8 + [2] * 4
@@ -74,7 +74,7 @@ def test_dllm_batch_as_decode_rows_is_block_causal():
     )
     assert rows.last_token_indices.tolist() == list(range(20))
     clipped = dllm_batch([4], [2], [1])  # a block clipped by the context at 6: no key past it
-    assert clipped.dllm_as_decode_rows(4).seq_lens.tolist() == [6, 6]
+    assert clipped.as_decode_rows(4).seq_lens.tolist() == [6, 6]
 
 
 def test_dllm_graph_fit_ladder_and_padding():
