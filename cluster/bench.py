@@ -15,7 +15,9 @@ Cases (CPU, 1 torch thread per engine, the engine bench's ~50M random Llama, gre
             path; it matches prefixes on a text with one character per token): the engines'
             actual hit rate, throughput, TTFT p50/p90; and the hit rate no router can pass on
             this request order with the engines' combined KV (Belady's optimal eviction over
-            whole documents), and that of one LRU cache of that size.
+            whole documents), and that of one LRU cache of that size. `--hicache-ratio R` gives
+            every engine a host tier of R x its pool and adds Serve's router and cache_aware over
+            engines without it (routing alone, the issue's baselines) and a TTFT CDF plot.
   churn_low routing at low concurrency: 8 tenants' 400-token prefixes (a 16-token template head
             they share + 384 of their own), each request one of them + a 32-token question, 16
             output tokens; 48 requests (6 per tenant, shuffled) sent one at a time, 2 engines as
@@ -209,9 +211,11 @@ def case_routing(path: str, scale: float) -> None:
 
 
 def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rate: float | None = None,
-               hicache_ratio: float | None = None) -> None:
+               hicache_ratio: float | None = None, plot_path: str | None = None) -> None:
     """hicache_ratio: every engine with a host KV tier of that many times its pool (every policy
-    on the same engines), the hit rates counting what the host tier gave back."""
+    on the same engines), the hit rates counting what the host tier gave back; the same run also
+    routes with Serve's router and cache_aware over engines without the tier (the issue's
+    baselines: routing alone), and prints the ceiling of each (Belady over the KV of both tiers)."""
     prompts, outs, order = churn_workload(scale)
     tiers = {} if hicache_ratio is None else {"enable_hierarchical_cache": True, "hicache_ratio": hicache_ratio}
     arrivals = poisson_arrivals(rate, len(prompts)) if rate else None
@@ -219,28 +223,88 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
     pool = len(prompts[0]) * CHURN_DOCUMENTS_PER_ENGINE
     total = sum(len(p) for p in prompts) + sum(outs)
     prefix_len = len(prompts[0]) - CHURN_QUESTION_TOKENS
-    slots = -(-2 * pool // prefix_len)  # a part of a prefix counts whole: still a bound
-    optimal, lru = hit_rate_ceilings(order, prefix_len, sum(len(p) for p in prompts), slots)
+
+    def ceilings(held: float) -> tuple[float, float]:
+        slots = -(-int(2 * pool * held) // prefix_len)  # a part of a prefix counts whole: still a bound
+        return hit_rate_ceilings(order, prefix_len, sum(len(p) for p in prompts), slots)
+
+    optimal, lru = ceilings(1.0 + (hicache_ratio or 0.0))
     in_flight = 16
     # Imported from where it lives: its public alias, ray.serve.llm, needs vLLM or SGLang installed.
     router = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
-    dt, ttfts, hit = _serve_router_run(path, pool, prompts, outs, in_flight, router, arrivals, tiers)
-    serve_router = (total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9))
+
+    ttft_dists: dict[str, list[float]] = {}  # for the plot
+
+    def summary(dt: float, ttfts: list[float], hit: float, label: str = "") -> tuple[float, float, float, float]:
+        if label:
+            ttft_dists[label] = ttfts
+        return total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9)
+
+    serve_router = summary(*_serve_router_run(path, pool, prompts, outs, in_flight, router, arrivals, tiers),
+                           label="serve_prefix_affinity, host tier")
+    pool_only = {}
+    if tiers:  # routing alone, the baselines the floors compare against
+        pool_only["serve_prefix_affinity"] = summary(*_serve_router_run(path, pool, prompts, outs, in_flight, router,
+                                                                        arrivals), label="serve_prefix_affinity, no tier")
     for m in frontends:
         results = {}
         for policy in ("kv_events", "cache_aware", "round_robin"):
-            dt, ttfts, hit = _fleet_run(path, pool, prompts, outs, in_flight, policy, m, arrivals, tiers)
-            results[policy] = (total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9))
+            results[policy] = summary(*_fleet_run(path, pool, prompts, outs, in_flight, policy, m, arrivals, tiers),
+                                      label=f"{policy}, host tier" if m == frontends[0] else "")
         results["serve_prefix_affinity"] = serve_router  # (one Serve handle: its router sees everything)
+        if tiers:
+            pool_only["cache_aware"] = summary(*_fleet_run(path, pool, prompts, outs, in_flight, "cache_aware", m,
+                                                           arrivals), label="cache_aware, no tier" if m == frontends[0] else "")
         line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
                          for p, r in results.items())
         exact = results["kv_events"]
-        best = min((results["cache_aware"], results["serve_prefix_affinity"]), key=lambda r: r[3])
-        print(f"churn      {m} front ends, {pacing}{tiers and f', host tier {hicache_ratio:g}x'}: {line}  |  hit kv_events - cache_aware = "
-              f"{100 * (exact[1] - results['cache_aware'][1]):+.0f} points, - serve_prefix_affinity = "
-              f"{100 * (exact[1] - results['serve_prefix_affinity'][1]):+.0f} points (floor +10)  "
-              f"ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)  |  "
-              f"any router's hit rate <= {optimal:.0%} (optimal eviction), one LRU cache: {lru:.0%}", flush=True)
+        tier_note = f", host tier {hicache_ratio:g}x" if tiers else ""
+        print(f"churn      {m} front ends, {pacing}{tier_note}: {line}  |  "
+              f"{_churn_floors(exact, results)}  |  any router's hit rate <= {optimal:.0%} (optimal eviction), "
+              f"one LRU cache: {lru:.0%}", flush=True)
+        if tiers:
+            line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms "
+                             f"p90={1e3 * r[3]:.0f} ms" for p, r in pool_only.items())
+            pool_optimal, pool_lru = ceilings(1.0)
+            print(f"churn      {m} front ends, {pacing}, kv_events with the host tier {hicache_ratio:g}x vs routing "
+                  f"alone (no tier): {line}  |  {_churn_floors(exact, pool_only)}  |  without the tier any router's "
+                  f"hit rate <= {pool_optimal:.0%}, one LRU cache: {pool_lru:.0%}", flush=True)
+    if tiers and plot_path:
+        plot_ttft_cdfs(ttft_dists, plot_path, f"churn, {frontends[0]} front ends, {pacing}, host tier {hicache_ratio:g}x "
+                       "(or none)")
+        print(f"churn      plot: {plot_path}", flush=True)
+
+
+def plot_ttft_cdfs(dists: dict[str, list[float]], path: str, title: str) -> None:
+    """Each run's TTFT distribution as a CDF, in one PNG (matplotlib: the bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, ttfts in dists.items():
+        xs = sorted(1e3 * t for t in ttfts)
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label,
+                linestyle="-" if "host tier" in label else "--")
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _churn_floors(exact: tuple, others: dict[str, tuple]) -> str:
+    """The issue's floors for exact routing's (tok/s, hit, ttft p50, ttft p90) against the
+    approximate tree's and Serve's router's."""
+    best = min((others["cache_aware"], others["serve_prefix_affinity"]), key=lambda r: r[3])
+    return (f"hit kv_events - cache_aware = {100 * (exact[1] - others['cache_aware'][1]):+.0f} points, "
+            f"- serve_prefix_affinity = {100 * (exact[1] - others['serve_prefix_affinity'][1]):+.0f} points "
+            f"(floor +10)  ttft_p90 kv_events / best other = {exact[3] / best[3]:.2f}x (ceiling 0.8x)")
 
 
 def case_churn_low(path: str, scale: float) -> None:
@@ -928,6 +992,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="churn: open loop, requests arriving at this rate (Poisson, per second); default: closed loop")
     ap.add_argument("--hicache-ratio", type=float, default=None,
                     help="churn: give every engine a host KV tier of this many times its pool (e.g. 4); default: none")
+    ap.add_argument("--churn-plot", default="docs/images/churn_tiers_ttft.png",
+                    help="churn with --hicache-ratio: where to write the TTFT distributions' PNG (matplotlib); '' for none")
     ap.add_argument("--ingress", default="proxy,direct,haproxy",
                     help="frontend: the ingress modes to compare, in this order (deploy/ingress.py)")
     ap.add_argument("--stream-interval-s", type=float, default=None,
@@ -963,7 +1029,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         if name == "churn":
             case_churn(path, scale, frontends=tuple(int(m) for m in args.frontends.split(",")), rate=args.rate,
-                       hicache_ratio=args.hicache_ratio)
+                       hicache_ratio=args.hicache_ratio, plot_path=args.churn_plot or None)
             continue
         CASES[name](path, scale)
     if ray.is_initialized():
