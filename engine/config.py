@@ -332,7 +332,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         grammar_backend_class(self.grammar_backend, self.constrained_json_whitespace_pattern)  # ConfigError
         LoRAConfig.from_engine_config(self)  # ConfigError
         if self.lora_enabled:
-            need(self.tp_size == 1, "LoRA adapters (lora_paths, enable_lora) are not supported with tp_size > 1 yet")
             need(self.disaggregation_mode == "null",
                  "LoRA adapters (lora_paths, enable_lora) are not supported with disaggregation_mode yet")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -23,6 +24,7 @@ from engine.tp.batch import (
     FORWARD,
     SPLIT,
     STOP,
+    LoRASetup,
     ReqToTokenMirror,
     TPStep,
     encode_batch,
@@ -33,7 +35,11 @@ from kernels import cpu_kernels
 from kernels.cpu_linear import LinearKind, native_linear_works, onednn_linear_works
 
 if TYPE_CHECKING:
-    from engine.lora import LoRAConfig, LoRAManager
+    from collections.abc import Callable
+
+    from engine.lora import LoRAConfig, LoRAManager, LoRAReplica, PoolEvent
+    from engine.tp.sharding import TPLoRAShards
+    from kernels.lora import LoRAWeights
 
 log = logging.getLogger("radixray.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -187,17 +193,54 @@ class ModelRunner:
         self.tp_mirror = (ReqToTokenMirror(self.req_to_token_pool.req_to_token)
                           if self.tp_size > 1 and tp_rank == 0 else None)
         self.mlp_shard = mlp_shard
-        self.lora_manager: LoRAManager | None = None  # init_lora
+        self.lora_manager: LoRAManager | None = None  # init_lora (rank 0)
+        self.lora_replica: LoRAReplica | None = None  # init_lora_replica (the other ranks)
 
     def init_lora(self, lora_config: LoRAConfig) -> LoRAManager:
         """The serving model's adapters: a LoRAManager (adapters in lora_config.lora_paths read and
         validated now) whose slots the model's projections read. The Engine calls this for its own
         runner only (a draft model runs without adapters). ConfigError for what does not compose
-        with LoRA yet."""
+        with LoRA yet. Under tensor parallelism this is rank 0's: it holds its shards, decides
+        every rank's slots and tells the other ranks how to build theirs (`init_lora_replica`)."""
         from engine.lora import LoRAManager
 
-        if self.tp_size > 1:
-            raise ConfigError("LoRA adapters with tp_size > 1 are not supported yet")
+        if self.tp_rank != 0:
+            raise ValueError("a tensor-parallel rank other than 0 follows rank 0's adapters (init_lora_replica)")
+        try:
+            attach = self._lora_attach()
+            manager = LoRAManager(lora_config, self.model_config, self.dtype, self.device,
+                                  shards=self._lora_shards(), record_events=self.tp_size > 1)
+        except BaseException as e:  # the other ranks wait for the setup: they fail too
+            with contextlib.suppress(Exception):  # (a broken group: they are gone already)
+                self._send_lora_setup(LoRASetup(error=str(e) or type(e).__name__))
+            raise
+        self._send_lora_setup(LoRASetup(max_lora_rank=manager.max_lora_rank,
+                                        target_modules=sorted(manager.target_modules),
+                                        num_slots=manager.pool.num_slots))
+        attach(manager.weights)
+        self.lora_manager = manager
+        return manager
+
+    def init_lora_replica(self) -> LoRAReplica:
+        """A tensor-parallel rank other than 0: adapter slots of its own shards, as rank 0's
+        `init_lora` sizes them, changed only by rank 0's pool events (engine.tp.worker applies
+        them with each step). ConfigError when rank 0 could not start its adapters."""
+        from engine.lora import LoRAReplica
+
+        if self.tp_rank == 0:
+            raise ValueError("rank 0 decides the adapter slots (init_lora)")
+        setup = self.tp_group.broadcast_object(None, as_type=LoRASetup)
+        if setup.error is not None:
+            raise ConfigError(f"rank 0 could not start its LoRA adapters: {setup.error}")
+        attach = self._lora_attach()
+        replica = LoRAReplica(self.model_config, frozenset(setup.target_modules), setup.num_slots,
+                              setup.max_lora_rank, self.dtype, self.device, self._lora_shards())
+        attach(replica.weights)
+        self.lora_replica = replica
+        return replica
+
+    def _lora_attach(self) -> Callable[[Callable[[int, str], LoRAWeights | None]], None]:
+        """The model's `attach_lora`; ConfigError for what does not compose with LoRA yet."""
         if self.mlp_shard[1] > 1:
             raise ConfigError("LoRA adapters with attention-DP (enable_dp_attention) are not supported yet")
         if self.model_config.is_dllm:
@@ -205,10 +248,19 @@ class ModelRunner:
         attach = getattr(self.model, "attach_lora", None)
         if attach is None:
             raise ConfigError(f"{type(self.model).__name__} cannot take LoRA adapters yet")
-        manager = LoRAManager(lora_config, self.model_config, self.dtype, self.device)
-        attach(manager.weights)
-        self.lora_manager = manager
-        return manager
+        return attach
+
+    def _lora_shards(self) -> TPLoRAShards | None:
+        """This rank's part of each adapter (None: one rank holds them whole)."""
+        if self.tp_size == 1:
+            return None
+        from engine.tp.sharding import TPLoRAShards
+
+        return TPLoRAShards(self.model_config, self.layout)
+
+    def _send_lora_setup(self, setup: LoRASetup) -> None:
+        if self.tp_size > 1 and self.tp_group is not None:
+            self.tp_group.broadcast_object(setup)
 
     def _tp_group(self, group: TPGroup | None, mlp_shard: tuple[int, int]) -> TPGroup:
         """The engine's TPGroup (a single-rank one when tp_size is 1); ConfigErrors for what does
@@ -241,7 +293,14 @@ class ModelRunner:
             raise RuntimeError("the tensor-parallel group was closed")
         table = self.tp_mirror.diff(fb) if kind == FORWARD or fb.split_index == 0 else None
         msg = encode_batch(fb, kind, split_end, table) if table is not None else TPStep(kind=kind, split_end=split_end)
+        msg.lora_events = self._lora_events()
         self.tp_group.broadcast_object(msg)
+
+    def _lora_events(self) -> list[PoolEvent] | None:
+        """The adapter slot changes the other ranks have not been sent (None: none)."""
+        if self.lora_manager is None:
+            return None
+        return self.lora_manager.take_events() or None
 
     def close(self) -> None:
         """Rank 0 of several: tell the other ranks to leave their loops, then shut the group down.
@@ -251,8 +310,8 @@ class ModelRunner:
         with self._tp_lock:  # after a forward in flight (overlap) has run on every rank
             group, self.tp_group = self.tp_group, None
         try:
-            if self.tp_rank == 0:
-                group.broadcast_object(TPStep(kind=STOP))
+            if self.tp_rank == 0:  # (the last slot changes too: every rank's slots end alike)
+                group.broadcast_object(TPStep(kind=STOP, lora_events=self._lora_events()))
         except Exception:  # the other ranks are gone already
             log.debug("TP stop message not delivered", exc_info=True)
         group.destroy()

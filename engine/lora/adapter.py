@@ -88,6 +88,12 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def target_weight_name(layer: int, target: str) -> str:
+    """The base checkpoint's name of the weight that target projection `target` of decoder layer
+    `layer` adapts (what tensor parallelism's sharding rules are keyed by)."""
+    return f"model.layers.{layer}.{_SUBLAYER[target]}.{target}.weight"
+
+
 class LoRAModule:
     """One adapted projection: A [rank, in], B [out, rank] (PEFT's layouts) and its scaling."""
 

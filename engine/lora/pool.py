@@ -11,13 +11,20 @@
 
 Reference counts are per adapter: the scheduler `acquire`s a request's adapter when it admits it
 and `release`s it when the request ends; an adapter with references is never evicted, and
-unloading it lets its running requests finish (it is dropped at the last release)."""
+unloading it lets its running requests finish (it is dropped at the last release).
+
+Under tensor parallelism every rank holds its shards of each adapter (`LoRAShards`: A and B split
+like the projection they attach to) in slots of its own. Rank 0's `LoRAManager` decides every
+slot load and eviction and records each as a `PoolEvent`; the other ranks' `LoRAReplica`s apply
+them in the same order (engine.tp sends them with each step), reading the adapter files
+themselves, so the slots hold the same adapters on every rank."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -27,6 +34,7 @@ from engine.lora.adapter import (
     TARGET_MODULES,
     LoRAAdapter,
     LoRAAdapterError,
+    LoRAModule,
     UnknownLoRAError,
     adapter_rank_and_targets,
     load_adapter,
@@ -46,6 +54,48 @@ class LoRASlotsFullError(RuntimeError):
     adapters than max_loras_per_batch among running requests (a bug, never a user error)."""
 
 
+class LoRAShards(Protocol):
+    """One tensor-parallel rank's part of every adapter (engine.tp.sharding.TPLoRAShards)."""
+
+    def target_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each target projection on this rank."""
+        ...
+
+    def shard(self, layer: int, target: str, module: LoRAModule) -> LoRAModule:
+        """This rank's A and B of one adapted projection (validated whole before)."""
+        ...
+
+
+class PoolEvent(NamedTuple):
+    """A change to a LoRAManager's slots or host memory that the other tensor-parallel ranks
+    repeat (`LoRAReplica.apply`). op "load": adapter `adapter_id` (`name`, read from `path`)
+    copied into `slot`; "clear": `slot` emptied; "drop": adapter `adapter_id` left host memory."""
+
+    op: str
+    slot: int = 0
+    adapter_id: int = 0
+    name: str = ""
+    path: str = ""
+
+
+def read_adapter(
+    name: str,
+    path: str,
+    model: ModelConfig,
+    max_rank: int,
+    targets: Iterable[str],
+    dtype: torch.dtype,
+    shards: LoRAShards | None = None,
+) -> LoRAAdapter:
+    """`load_adapter` (validated against the whole base model), then this rank's shards only."""
+    adapter = load_adapter(name, path, model, max_rank, targets, dtype)
+    if shards is not None:
+        adapter.modules = {
+            key: shards.shard(key[0], key[1], m) for key, m in adapter.modules.items()
+        }
+    return adapter
+
+
 class LoRAMemoryPool:
     """Device buffers: per layer and per projection group (qkv_proj, o_proj, gate_up_proj,
     down_proj) one `kernels.lora.LoRAWeights` over `num_slots` slots (slot 0 the base model). A
@@ -60,9 +110,12 @@ class LoRAMemoryPool:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        shapes: dict[str, tuple[int, int]] | None = None,
     ) -> None:
+        """`shapes`: (in, out) per target (a tensor-parallel rank's, `LoRAShards.target_shapes`);
+        default the whole model's."""
         self.num_slots, self.max_rank, self.targets = num_slots, max_rank, targets
-        shapes = target_shapes(model)
+        shapes = target_shapes(model) if shapes is None else shapes
         self.layers: list[dict[str, LoRAWeights]] = []
         for layer in range(model.num_hidden_layers):
             groups = {}
@@ -121,7 +174,9 @@ class LoRAMemoryPool:
 
 class LoRAManager:
     """The engine's adapters by name: host residency (LRU, pinning), reference counts, device
-    slots for each batch. Not thread-safe: the scheduler thread owns it."""
+    slots for each batch. Not thread-safe: the scheduler thread owns it (`take_events` excepted).
+    Under tensor parallelism (rank 0's): `shards` keeps this rank's part of each adapter, and
+    `record_events` logs the slot and host changes the other ranks repeat."""
 
     def __init__(
         self,
@@ -129,6 +184,8 @@ class LoRAManager:
         model: ModelConfig,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        shards: LoRAShards | None = None,
+        record_events: bool = False,
     ) -> None:
         self.config, self.model, self.dtype, self.device = (
             config,
@@ -161,6 +218,7 @@ class LoRAManager:
                     f"{', '.join(TARGET_MODULES)} (or all)"
                 )
             self.target_modules = frozenset(targets)
+        self.shards = shards
         self.pool = LoRAMemoryPool(
             model,
             self.target_modules,
@@ -168,7 +226,11 @@ class LoRAManager:
             self.max_lora_rank,
             dtype,
             self.device,
+            None if shards is None else shards.target_shapes(),
         )
+        # Appended on the scheduler thread, taken on whichever thread sends a step (a deque's
+        # append and popleft are atomic: no event is lost or sent twice).
+        self._events: deque[PoolEvent] | None = deque() if record_events else None
         self._known: dict[
             str, LoRAPath
         ] = {}  # name -> where it is read from; what requests may name
@@ -269,9 +331,7 @@ class LoRAManager:
                     f"cannot pin another adapter ({n_pinned} pinned, max_loras_per_batch "
                     f"{self.max_loras_per_batch}: one slot must rotate)",
                 )
-        adapter = load_adapter(
-            name, path, self.model, self.max_lora_rank, self.target_modules, self.dtype
-        )
+        adapter = self._read(name, path)
         self._make_host_room(name)
         self._known[name] = LoRAPath(lora_path=path, pinned=pinned)
         self._resident[name] = adapter
@@ -292,13 +352,44 @@ class LoRAManager:
         self._drop(name)
         return True
 
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        return read_adapter(
+            name,
+            path,
+            self.model,
+            self.max_lora_rank,
+            self.target_modules,
+            self.dtype,
+            self.shards,
+        )
+
     def _drop(self, name: str) -> None:
-        self._ids.pop(name, None)
-        self._resident.pop(name, None)
+        adapter_id = self._ids.pop(name, None)
+        if self._resident.pop(name, None) is not None:
+            self._record(PoolEvent("drop", adapter_id=adapter_id))
         slot = self._slot_of.pop(name, None)
         if slot is not None:
-            self._slot_names[slot] = None
-            self.pool.clear(slot)
+            self._clear_slot(slot)
+
+    def _clear_slot(self, slot: int) -> None:
+        self._slot_names[slot] = None
+        self.pool.clear(slot)
+        self._record(PoolEvent("clear", slot=slot))
+
+    def _record(self, event: PoolEvent) -> None:
+        if self._events is not None:
+            self._events.append(event)
+
+    def take_events(self) -> list[PoolEvent]:
+        """The PoolEvents recorded since the last call, oldest first (any thread)."""
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
+        return events
+
+    def slot_ids(self) -> dict[int, int]:
+        """slot -> the id of the adapter load it holds (what every rank's slots must agree on)."""
+        return {slot: self._ids[name] for name, slot in self._slot_of.items()}
 
     def _make_host_room(self, incoming: str) -> None:
         while len(self._resident) >= self.max_loaded_loras:
@@ -312,10 +403,10 @@ class LoRAManager:
                     "memory and every one is pinned or in use",
                 )
             self._resident.pop(victim)
+            self._record(PoolEvent("drop", adapter_id=self._ids[victim]))
             slot = self._slot_of.pop(victim, None)  # a slot is a copy of host memory: it goes too
             if slot is not None:
-                self._slot_names[slot] = None
-                self.pool.clear(slot)
+                self._clear_slot(slot)
 
     def _host(self, name: str) -> LoRAAdapter:
         """The adapter in host memory (read again from its path if it was evicted)."""
@@ -324,9 +415,7 @@ class LoRAManager:
             p = self._known.get(name) or self._draining.get(name)
             if p is None:
                 raise UnknownLoRAError(name)
-            adapter = load_adapter(
-                name, p.lora_path, self.model, self.max_lora_rank, self.target_modules, self.dtype
-            )
+            adapter = self._read(name, p.lora_path)
             self._make_host_room(name)
             self._resident[name] = adapter
             self.host_reloads += 1
@@ -375,6 +464,9 @@ class LoRAManager:
             adapter = self._host(name)
             slot = self._free_slot(needed)
             self.pool.write(slot, adapter)
+            # (an absolute path: another rank on this node may run in another directory)
+            path = os.path.abspath(adapter.path)
+            self._record(PoolEvent("load", slot, self._ids[name], name, path))
             self.slot_loads += 1
             self._slot_names[slot] = name
             self._slot_of[name] = slot
@@ -401,6 +493,76 @@ class LoRAManager:
         1): base-model rows get weight index -1 (no kernel work at all)."""
         slots = self.prepare_batch(lora_names)
         return batch_info([-1 if s == BASE_SLOT else s for s in slots], rows, self.device)
+
+    def weights(self, layer: int, group: str) -> LoRAWeights | None:
+        return self.pool.weights(layer, group)
+
+
+class LoRAReplica:
+    """The adapter slots of a tensor-parallel rank other than 0: the same slots as rank 0's
+    LoRAManager, holding this rank's shards, changed only by rank 0's PoolEvents (`apply`, in
+    their order). An adapter is read from its path when first loaded into a slot and kept in
+    host memory until rank 0 drops it from its own. Knows no requests."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        targets: frozenset[str],
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shards: LoRAShards | None = None,
+    ) -> None:
+        self.model, self.targets, self.max_rank, self.dtype = model, targets, max_rank, dtype
+        self.shards = shards
+        self.pool = LoRAMemoryPool(
+            model,
+            targets,
+            num_slots,
+            max_rank,
+            dtype,
+            device,
+            None if shards is None else shards.target_shapes(),
+        )
+        self._resident: dict[int, LoRAAdapter] = {}  # adapter id -> this rank's shards
+        self._slot_ids = [0] * num_slots  # the adapter id in each slot (0: none)
+        self.slot_loads = 0
+
+    def apply(self, events: Iterable[PoolEvent]) -> None:
+        """Repeat rank 0's slot and host changes. An adapter that cannot be read here (its
+        folder gone since rank 0 read it) is a RuntimeError: this rank cannot follow rank 0."""
+        for e in events:
+            if e.op == "load":
+                self.pool.write(e.slot, self._host(e))
+                self._slot_ids[e.slot] = e.adapter_id
+                self.slot_loads += 1
+            elif e.op == "clear":
+                self.pool.clear(e.slot)
+                self._slot_ids[e.slot] = 0
+            elif e.op == "drop":
+                self._resident.pop(e.adapter_id, None)
+            else:
+                raise RuntimeError(f"unknown LoRA pool event {e.op!r}")
+
+    def _host(self, e: PoolEvent) -> LoRAAdapter:
+        adapter = self._resident.get(e.adapter_id)
+        if adapter is None:
+            try:
+                adapter = read_adapter(
+                    e.name, e.path, self.model, self.max_rank, self.targets, self.dtype, self.shards
+                )
+            except LoRAAdapterError as err:
+                raise RuntimeError(f"this rank cannot read what rank 0 serves: {err}") from err
+            self._resident[e.adapter_id] = adapter
+        return adapter
+
+    def slot_ids(self) -> dict[int, int]:
+        """slot -> adapter id, as LoRAManager.slot_ids."""
+        return {slot: i for slot, i in enumerate(self._slot_ids) if i}
+
+    def resident_ids(self) -> set[int]:
+        return set(self._resident)
 
     def weights(self, layer: int, group: str) -> LoRAWeights | None:
         return self.pool.weights(layer, group)

@@ -5,7 +5,8 @@ ColumnParallel / RowParallel linears, VocabParallelEmbedding and ParallelLMHead)
   `rank_weight_numel` / `rank_weight_bytes` its weights; `kv_bytes_per_token` its KV pool's cost.
 - `sharding.shard_weights`: a rank's shards of the full checkpoint, under the HF names
   (`shard_spec`: the slice of one tensor); `loader.read_rank_weights`: the same shards read
-  slice by slice from a float safetensors checkpoint.
+  slice by slice from a float safetensors checkpoint; `sharding.TPLoRAShards`: a rank's part
+  of a LoRA adapter.
 - `comm.TPGroup`: the group's collectives on private process groups.
 - `ops`: the embedding, reduction and logits steps of a sharded forward."""
 
@@ -19,6 +20,7 @@ from engine.tp.ops import (
 )
 from engine.tp.sharding import (
     ShardSpec,
+    TPLoRAShards,
     shard_bytes,
     shard_kind,
     shard_spec,
@@ -39,6 +41,7 @@ __all__ = [
     "shard_kind",
     "shard_spec",
     "ShardSpec",
+    "TPLoRAShards",
     "shard_tensor",
     "shard_weights",
     "vocab_parallel_embedding",

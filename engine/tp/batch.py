@@ -6,7 +6,12 @@ request rows, sequence lengths, KV slots, extend lengths, where the logits are t
 entries of the request -> token table that the batch reads and the other ranks do not have yet
 (`ReqToTokenMirror`: a diff against what was sent before, so a decode step sends one slot per
 request, not whole rows). The other ranks allocate nothing: every KV slot and request row is rank
-0's choice, valid on every rank because every rank's pool has the same number of slots."""
+0's choice, valid on every rank because every rank's pool has the same number of slots.
+
+With LoRA adapters it also carries the batch's adapter segments (`LoRABatchInfo`'s seg_indptr
+and weight_indices) and the slot changes rank 0's LoRAManager made since its last message
+(`engine.lora.PoolEvent`s: names and paths, never weights), which the other ranks apply before
+the forward; `LoRASetup`, sent once at start, sizes their slots as rank 0's."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import msgspec
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.lora.pool import PoolEvent
+from kernels.lora import LoRABatchInfo, batch_info
 
 # TPStep.kind
 FORWARD, SPLIT, STOP = 0, 1, 2
@@ -66,6 +73,22 @@ class TPStep(msgspec.Struct, array_like=True, omit_defaults=True):
     rt_cols: Tensor1D | None = None
     rt_slots: Tensor1D | None = None
     split_end: int = 0
+    # The batch's adapter rows: segment bounds and each segment's slot (None: no adapter rows).
+    lora_seg_indptr: list[int] | None = None
+    lora_weight_indices: list[int] | None = None
+    # Rank 0's LoRA slot and host changes since its last message, in order (any kind, STOP too).
+    lora_events: list[PoolEvent] | None = None
+
+
+class LoRASetup(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Rank 0's adapter slots as its LoRAManager resolved them (the defaults come from the
+    adapters' files), sent once at start so every rank builds the same slots; `error`: rank 0
+    could not start its adapters (the other ranks raise it too)."""
+
+    max_lora_rank: int = 0
+    target_modules: list[str] = []
+    num_slots: int = 0
+    error: str | None = None
 
 
 def encode_batch(
@@ -76,6 +99,7 @@ def encode_batch(
 ) -> TPStep:
     """`fb` as rank 0 runs it (inputs resolved), with the table entries `table` (rows, cols, slots)."""
     rows, cols, slots = table if table is not None else (None, None, None)
+    lora = fb.lora_info
     return TPStep(
         kind=kind,
         forward_mode=int(fb.forward_mode),
@@ -92,6 +116,8 @@ def encode_batch(
         rt_cols=Tensor1D.of(cols),
         rt_slots=Tensor1D.of(slots),
         split_end=split_end,
+        lora_seg_indptr=None if lora is None else list(lora.seg_indptr_host),
+        lora_weight_indices=None if lora is None else list(lora.weight_indices_host),
     )
 
 
@@ -116,7 +142,18 @@ def decode_batch(msg: TPStep, device: torch.device) -> ForwardBatch:
         fb.extend_seq_lens_cpu = list(ext)
         fb.extend_seq_lens = torch.tensor(ext, device=device)
         fb.extend_start_loc = torch.tensor(starts, device=device)
+    fb.lora_info = decode_lora_info(msg, device)
     return fb
+
+
+def decode_lora_info(msg: TPStep, device: torch.device) -> LoRABatchInfo | None:
+    """The batch's adapter segments as rank 0 built them (neighbouring segments have different
+    slots, so `batch_info` rebuilds the same ones)."""
+    if msg.lora_seg_indptr is None:
+        return None
+    indptr = msg.lora_seg_indptr
+    rows = [b - a for a, b in zip(indptr, indptr[1:])]
+    return batch_info(msg.lora_weight_indices, rows, device)
 
 
 def apply_table(msg: TPStep, req_to_token: torch.Tensor) -> None:

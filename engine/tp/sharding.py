@@ -27,6 +27,11 @@ Quantized weights (`kernels.quant.QuantWeight`) split the same way: rows (`selec
 column-parallel and vocabulary shards, columns (`select_cols`) for row-parallel ones, which
 must fall on the format's group boundaries (a ConfigError otherwise).
 
+LoRA adapters split like the projection they attach to (`TPLoRAShards`): a column-parallel
+projection's B by the same output rows (A whole: every rank needs x A), a row-parallel one's A by
+the same input columns (B whole: the ranks' (x_r A_r) B add up to (x A) B in the all-reduce the
+base projection has anyway).
+
 Slices are copied (`clone`), so the full checkpoint tensors can be freed once sharded."""
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import ConfigError
+from engine.lora.adapter import LoRAModule, target_shapes, target_weight_name
 from engine.tp.layout import TPLayout, divide
 from kernels.quant import QuantWeight
 
@@ -86,7 +92,7 @@ def _own(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _own_quant(w: QuantWeight) -> QuantWeight:
-    return QuantWeight(_own(w.qweight), _own(w.scales), _own(w.biases), w.bits, w.group_size)
+    return QuantWeight(_own(w.qweight), _own(w.scales), _own(w.biases), w.bits, w.group_size, _own(w.perm))
 
 
 def _rows(w: Weight, lo: int, hi: int) -> Weight:
@@ -118,7 +124,7 @@ def pad_rows(w: Weight, rows: int) -> Weight:
         def pad(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
 
-        return QuantWeight(pad(w.qweight), pad(w.scales), pad(w.biases), w.bits, w.group_size)
+        return QuantWeight(pad(w.qweight), pad(w.scales), pad(w.biases), w.bits, w.group_size, w.perm)
     return torch.cat([w, w.new_zeros(extra, *w.shape[1:])])
 
 
@@ -241,3 +247,42 @@ def weight_nbytes(w: Weight) -> int:
 def shard_bytes(weights: Mapping[str, Weight]) -> int:
     """Bytes of a (sharded) weight dict: what one rank holds."""
     return sum(weight_nbytes(w) for w in weights.values())
+
+
+class TPLoRAShards:
+    """Rank `layout.tp_rank`'s part of each LoRA adapter (engine.lora.LoRAShards): the slice
+    `shard_spec` gives the base weight it adapts (PEFT's lora_B [out, rank] is sliced where the
+    weight [out, in] is sliced by rows, lora_A [rank, in] where it is sliced by columns), so q, k
+    and v follow this rank's query and KV heads (a replicated KV head included) and gate/up and
+    down its intermediate slice."""
+
+    def __init__(self, cfg: ModelConfig, layout: TPLayout) -> None:
+        self.cfg, self.layout = cfg, layout
+        self._shapes = target_shapes(cfg)  # (in, out), whole
+
+    def _spec(self, layer: int, target: str) -> ShardSpec:
+        d_in, d_out = self._shapes[target]
+        return shard_spec(target_weight_name(layer, target), (d_out, d_in), self.layout)
+
+    def target_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each target on this rank (the slices of `shard`)."""
+        h, lay = self.cfg.hidden_size, self.layout
+        return {
+            "q_proj": (h, lay.q_size),
+            "k_proj": (h, lay.kv_size),
+            "v_proj": (h, lay.kv_size),
+            "o_proj": (lay.q_size, h),
+            "gate_proj": (h, lay.intermediate_size),
+            "up_proj": (h, lay.intermediate_size),
+            "down_proj": (lay.intermediate_size, h),
+        }
+
+    def shard(self, layer: int, target: str, module: LoRAModule) -> LoRAModule:
+        """This rank's A and B of `target` in `layer` (copies: the whole adapter can be freed)."""
+        spec = self._spec(layer, target)
+        a, b = module.lora_a, module.lora_b
+        if spec.dim == 0:
+            b = b[spec.lo : spec.hi].clone()
+        elif spec.dim == 1:
+            a = a[:, spec.lo : spec.hi].clone()
+        return LoRAModule(a, b, module.scaling)

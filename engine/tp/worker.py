@@ -2,8 +2,10 @@
 holds its ModelRunner (its shards, its share of the KV pool) and runs what rank 0 sends: every
 step one `TPStep` over the group's object group, the batch rebuilt against this rank's own
 request -> token table and KV pool, the forward run (its collectives meet rank 0's), the logits
-dropped (rank 0 samples). A STOP message, or a broken group (rank 0 died: its connections close),
-ends the loop."""
+dropped (rank 0 samples). With LoRA adapters each rank keeps its shards in slots of its own
+(`engine.lora.LoRAReplica`), changed by the pool events of rank 0's LoRAManager that each message
+carries, before the forward that reads them. A STOP message, or a broken group (rank 0 died: its
+connections close), ends the loop."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class TPWorker:
             config, config.model_path or builtin_model_path(), tp_rank=tp_rank, tp_group=group
         )
         self.group = group
+        # Rank 0's Engine builds its LoRAManager right after its ModelRunner: its setup comes next.
+        self.lora = self.runner.init_lora_replica() if config.lora_enabled else None
         self.steps = 0  # forwards (and split-prefill slices) run
         self.forward_seconds = 0.0
         self._split = None  # the SPLIT_PREFILL batch whose slices are running
@@ -50,6 +54,10 @@ class TPWorker:
         layers = runner.model_config.num_hidden_layers
         while True:
             msg = self.group.broadcast_object(None, as_type=TPStep)
+            if msg.lora_events:
+                if self.lora is None:
+                    raise RuntimeError("rank 0 sent LoRA slot changes to a rank without adapters")
+                self.lora.apply(msg.lora_events)
             if msg.kind == STOP:
                 break
             t0 = time.perf_counter()
@@ -112,7 +120,11 @@ def run_worker(
         timeout_s=timeout_s,
         object_timeout_s=IDLE_WAIT_S,
     )
-    worker = TPWorker(config, tp_rank, group)
+    try:
+        worker = TPWorker(config, tp_rank, group)
+    except BaseException:
+        group.destroy()
+        raise
     try:
         worker.run()
     finally:
