@@ -11,7 +11,11 @@ bias per group of G consecutive elements of a row, value = scale[n, k // G] * q[
 - `scales` and `biases`: [N, K // G], float16 where the source's scales are exactly float16
   (GGUF's Q8_0, Q4_0, Q4_1) else float32; `biases` None means zero (a symmetric format).
 K is a multiple of 32. Every GGUF type the engine computes maps onto it exactly (same values as
-the file's own dequantization); see `engine/models/gguf_quants.py`."""
+the file's own dequantization); see `engine/models/gguf_quants.py`.
+- `perm` (optional, int64 [K]): the stored columns are the weight's input columns in this order
+  (stored column j is input column perm[j]), so that groups that are not runs of consecutive
+  input columns (GPTQ's act-order) become runs; a projection gathers x[..., perm] once and then
+  multiplies as for any other weight. None (the usual case) means the identity."""
 
 from __future__ import annotations
 
@@ -26,10 +30,10 @@ from kernels import cpu_kernels
 class QuantWeight:
     """One quantized weight [out_features, in_features] (see the module docstring)."""
 
-    __slots__ = ("qweight", "scales", "biases", "bits", "group_size", "out_features", "in_features")
+    __slots__ = ("qweight", "scales", "biases", "bits", "group_size", "out_features", "in_features", "perm")
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
-                 bits: int, group_size: int) -> None:
+                 bits: int, group_size: int, perm: torch.Tensor | None = None) -> None:
         n = qweight.shape[0]
         k = qweight.shape[1] * (2 if bits == 4 else 1)
         if bits not in (4, 8):
@@ -41,9 +45,12 @@ class QuantWeight:
             raise ValueError(f"scales/biases must be {want}")
         if qweight.dtype != (torch.uint8 if bits == 4 else torch.int8):
             raise ValueError(f"{bits}-bit codes must be {'uint8' if bits == 4 else 'int8'}")
+        if perm is not None and (perm.dtype != torch.int64 or tuple(perm.shape) != (k,)):
+            raise ValueError(f"perm must be int64 [{k}], got {perm.dtype} {tuple(perm.shape)}")
         self.qweight, self.scales, self.biases = qweight, scales, biases
         self.bits, self.group_size = bits, group_size
         self.out_features, self.in_features = n, k
+        self.perm = perm
 
     @property
     def shape(self) -> torch.Size:
@@ -55,30 +62,38 @@ class QuantWeight:
 
     def to(self, device: torch.device) -> QuantWeight:
         move = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return QuantWeight(move(self.qweight), move(self.scales), move(self.biases), self.bits, self.group_size)
+        return QuantWeight(move(self.qweight), move(self.scales), move(self.biases), self.bits, self.group_size,
+                           move(self.perm))
 
     def select_rows(self, index: torch.Tensor) -> QuantWeight:
         """Rows `index` of the weight (each row's blocks are its own)."""
         biases = None if self.biases is None else self.biases[index]
-        return QuantWeight(self.qweight[index], self.scales[index], biases, self.bits, self.group_size)
+        return QuantWeight(self.qweight[index], self.scales[index], biases, self.bits, self.group_size, self.perm)
 
     def select_cols(self, lo: int, hi: int) -> QuantWeight:
-        """Columns [lo, hi) of the weight; both must fall on group (and 32-element chunk) bounds."""
+        """Input columns [lo, hi) of the weight; both must fall on group (and 32-element chunk)
+        bounds, and with a `perm`, the stored columns [lo, hi) must hold exactly those inputs."""
         g = self.group_size
         if lo % g or hi % g or lo % 32 or hi % 32:
             raise ValueError(f"columns [{lo}, {hi}) do not fall on the weight's {g}-element groups")
+        perm = None
+        if self.perm is not None:
+            perm = self.perm[lo:hi] - lo
+            if not torch.equal(perm.sort().values, torch.arange(hi - lo, device=perm.device)):
+                raise ValueError(f"columns [{lo}, {hi}) are spread over the weight's permuted (act-order) groups")
         per = 2 if self.bits == 4 else 1
         biases = None if self.biases is None else self.biases[:, lo // g:hi // g]
         return QuantWeight(self.qweight[:, lo // per:hi // per].contiguous(),
                            self.scales[:, lo // g:hi // g].contiguous(),
-                           None if biases is None else biases.contiguous(), self.bits, g)
+                           None if biases is None else biases.contiguous(), self.bits, g, perm)
 
     def nbytes(self) -> int:
-        """Bytes held in memory (codes, scales, biases)."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.biases) if t is not None)
+        """Bytes held in memory (codes, scales, biases, the column permutation)."""
+        held = (self.qweight, self.scales, self.biases, self.perm)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def codes(self) -> torch.Tensor:
-        """The integer codes [N, K] as int16 (unpacked)."""
+        """The integer codes [N, K] as int16 (unpacked), in stored column order (see `perm`)."""
         if self.bits == 8:
             return self.qweight.to(torch.int16)
         n = self.out_features
@@ -90,32 +105,49 @@ class QuantWeight:
         return self.dequantize_rows(slice(None), dtype)
 
     def dequantize_rows(self, rows: torch.Tensor | slice, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows `rows` of the float weight (an embedding lookup of a quantized table)."""
+        """Rows `rows` of the float weight (an embedding lookup of a quantized table), its columns
+        in input order."""
+        w = self.dequantize_stored(rows, dtype)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    def dequantize_stored(self, rows: torch.Tensor | slice = slice(None),
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `rows` of the float weight with its columns as stored (`perm` not undone)."""
         q = self.qweight[rows]
+        k, g = self.in_features, self.group_size
+        # (explicit sizes: no rows at all is a lookup too, an IDLE batch's under attention-DP)
         if self.bits == 4:
-            chunks = q.view(q.shape[0], -1, 16)
-            codes = torch.cat([chunks & 0xF, chunks >> 4], dim=2).view(q.shape[0], self.in_features)
+            chunks = q.view(q.shape[0], k // 32, 16)
+            codes = torch.cat([chunks & 0xF, chunks >> 4], dim=2).view(q.shape[0], k)
         else:
             codes = q
-        g = self.group_size
-        w = codes.float().view(q.shape[0], -1, g) * self.scales[rows].float().unsqueeze(2)
+        w = codes.float().view(q.shape[0], k // g, g) * self.scales[rows].float().unsqueeze(2)
         if self.biases is not None:
             w = w + self.biases[rows].float().unsqueeze(2)
-        return w.view(q.shape[0], self.in_features).to(dtype)
+        return w.view(q.shape[0], k).to(dtype)
 
 
 def cat_rows(weights: Sequence[QuantWeight]) -> QuantWeight | None:
     """The weights stacked along out_features (a fused qkv or gate/up projection), or None if
-    their formats differ (bits, group size, scale dtype, bias or none): those stay separate."""
+    their formats differ (bits, group size, scale dtype, bias or none, column permutation): those
+    stay separate."""
     first = weights[0]
     same = all(w.bits == first.bits and w.group_size == first.group_size and w.in_features == first.in_features
                and w.scales.dtype == first.scales.dtype and (w.biases is None) == (first.biases is None)
-               for w in weights)
+               and _same_perm(w.perm, first.perm) for w in weights)
     if not same:
         return None
     biases = None if first.biases is None else torch.cat([w.biases for w in weights])
     return QuantWeight(torch.cat([w.qweight for w in weights]), torch.cat([w.scales for w in weights]),
-                       biases, first.bits, first.group_size)
+                       biases, first.bits, first.group_size, first.perm)
+
+
+def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -181,10 +213,13 @@ def qgemm(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [..., K] @ dequantize(w).T -> [..., N] in x's dtype: the format's kernel where one is built
     for x's device (CPU: `kernels.cpu_kernels.qgemm`; CUDA: Triton), else the reference
     (dequantize, then F.linear). On the CPU (int16 activations for every row count) an output's
-    bits depend only on its row of x and its column of w, not on the batch around them."""
+    bits depend only on its row of x and its column of w, not on the batch around them. A weight
+    with a column permutation (`QuantWeight.perm`) reads x's columns in that order: one gather."""
     if x.device.type == "cpu":
         # A compiled CPU graph exists only where the kernels are built (engine/cpu_graph.py).
         if torch.compiler.is_compiling() or cpu_kernels.load() is not None:
+            if w.perm is not None:
+                x = x.index_select(-1, w.perm)
             # (the decode path's [B, K] float32 input takes no reshape or copy: this runs per projection)
             x2 = x if x.dim() == 2 else x.reshape(-1, w.in_features)
             y = cpu_kernels.qgemm(x2, w.qweight, w.scales, w.biases, w.bits, w.group_size, w.out_features)

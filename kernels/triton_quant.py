@@ -124,9 +124,12 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 def triton_qgemm(x: torch.Tensor, w: QuantWeight, config: QGemmConfig | None = None) -> torch.Tensor:
     """x [M, K] (float16/bfloat16/float32, on w's device) @ dequantize(w).T -> [M, N] in x's dtype,
-    float32 accumulation. `config` overrides the heuristic tile choice (tests, benchmarks)."""
+    float32 accumulation. `config` overrides the heuristic tile choice (tests, benchmarks). A
+    weight with a column permutation (`w.perm`) reads x's columns in that order (one gather)."""
     if x.dim() != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x must be [M, {w.in_features}], got {tuple(x.shape)}")
+    if w.perm is not None:
+        x = x.index_select(1, w.perm)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     m, k = x.shape

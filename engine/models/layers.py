@@ -206,6 +206,16 @@ def _rows(w: torch.Tensor | QuantWeight, lo: int, hi: int) -> torch.Tensor | Qua
     return w.select_rows(slice(lo, hi)) if isinstance(w, QuantWeight) else w[lo:hi]
 
 
+def _cols(w: torch.Tensor | QuantWeight, lo: int, hi: int) -> torch.Tensor | QuantWeight:
+    if not isinstance(w, QuantWeight):
+        return w[:, lo:hi].contiguous()
+    try:
+        return w.select_cols(lo, hi)
+    except ValueError as e:  # a split inside a group, or across act-order's permuted groups
+        raise ConfigError(f"down_proj cannot be split for attention-DP's MLP shard [{lo}, {hi}) while kept "
+                          f"quantized ({e}); load it with quantization='none'") from None
+
+
 class GatedMLP:
     """down(silu(gate(x)) * up(x)), gate and up fused into one projection; holds the `shard`
     (rank, world) slice of the intermediate dim."""
@@ -217,7 +227,7 @@ class GatedMLP:
         self.sharded = shard[1] > 1
         if self.sharded:
             gate, up = (_rows(t, lo, hi) for t in (gate, up))
-            down = down.select_cols(lo, hi) if isinstance(down, QuantWeight) else down[:, lo:hi].contiguous()
+            down = _cols(down, lo, hi)
         self.gate_up = make_linear([gate, up], kind=linear)
         self.down = make_linear(down, kind=linear)
         # LoRA adapter slots (engine.lora's pool; None: not adapted)

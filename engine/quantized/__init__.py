@@ -19,10 +19,10 @@ def convert_checkpoint(weights: dict[str, torch.Tensor], quant_config: dict,
                        keep: bool) -> dict[str, torch.Tensor | QuantWeight]:
     """The checkpoint's tensors with each quantized projection (its packed tensors: e.g.
     `*.qweight`, `*.qzeros`, `*.scales`) replaced by one `<prefix>.weight`: a QuantWeight when
-    `keep` (quantization=auto) and the format maps onto it exactly (GPTQ 2/4/8-bit and AWQ 4-bit
-    without act-order, group size a multiple of 32), else dequantized float32 (always for FP8, for
-    act-order GPTQ, and for everything when not `keep`). Other tensors pass through. `weights` is
-    consumed. ConfigError names an unsupported method or setting."""
+    `keep` (quantization=auto) and the format maps onto it exactly (GPTQ 2/4/8-bit, act-order
+    included through a column permutation, and AWQ 4-bit, group size a multiple of 32), else
+    dequantized float32 (always for FP8, and for everything when not `keep`). Other tensors pass
+    through. `weights` is consumed. ConfigError names an unsupported method or setting."""
     method = str(quant_config.get("quant_method", "")).lower()
     if method == "gptq":
         return convert_gptq(weights, quant_config, keep)

@@ -13,7 +13,12 @@ where the config says -1):
   the masked code (AutoGPTQ's `zeros + 1`, so a stored code 2**b - 1 means 2**b); GPTQModel's
   "gptq_v2" stores the zero itself.
 Bits 2, 4 and 8 are read; 3-bit (words straddling codes) and the kernel-specific formats
-(marlin, bitblas, ...) are refused, as is GPTQModel's per-module `dynamic` override."""
+(marlin, bitblas, ...) are refused, as is GPTQModel's per-module `dynamic` override.
+
+Act-order kept quantized: the input columns are sorted by g_idx (stably), which makes every group
+a run of G consecutive stored columns, the engine's format; the QuantWeight keeps that order as
+its `perm` and each projection reads x's columns in it (x[..., perm], one gather per call). The
+values are the same as without the permutation, so only the summation order changes."""
 
 from __future__ import annotations
 
@@ -36,11 +41,13 @@ FORMATS = {"gptq": 1, "gptq_v2": 0}  # the offset added to a stored zero point
 
 def convert_gptq(weights: dict[str, torch.Tensor], qc: dict, keep: bool) -> dict[str, torch.Tensor | QuantWeight]:
     """Every `<prefix>.qweight/qzeros/scales/g_idx` group of `weights` -> `<prefix>.weight`. With
-    `keep`, 2/4/8-bit projections without act-order whose group size is a multiple of 32 (16 for
-    8-bit) become QuantWeights holding exactly the reference's values (see `to_quant_weight`);
-    act-order (a g_idx other than k // G) and other group structures are dequantized to float32,
-    the exact value of scale * (q - zero) (the reference kernels compute it in float16, so within
-    one float16 rounding of theirs). Without `keep` everything is dequantized to float32."""
+    `keep`, 2/4/8-bit projections whose group size is a multiple of 32 (16 for 8-bit) become
+    QuantWeights holding exactly the reference's values (see `to_quant_weight`); with act-order
+    (a g_idx other than k // G) their columns are permuted so each group is contiguous (`perm`,
+    see the module docstring), provided every group has G columns. Other group structures are
+    dequantized to float32, the exact value of scale * (q - zero) (the reference kernels compute
+    it in float16, so within one float16 rounding of theirs). Without `keep` everything is
+    dequantized to float32."""
     bits = int(qc.get("bits") or 0)
     if bits not in SUPPORTED_BITS:
         raise ConfigError(f"GPTQ checkpoint: bits={qc.get('bits')!r} is not supported "
@@ -89,6 +96,11 @@ def _projection(weights: dict[str, torch.Tensor], prefix: str, bits: int, group_
         if int(g_idx.min()) < 0 or int(g_idx.max()) >= ngroups:
             raise ConfigError(f"GPTQ checkpoint: {prefix + '.g_idx'!r} names groups outside 0..{ngroups - 1}")
     act_order = g_idx is not None and not torch.equal(g_idx.to(torch.int32), plain)
-    if keep and not act_order and fits_quant_weight(bits, k, g):
-        return to_quant_weight(codes, scales_nk, zeros, bits, g)
+    if keep and fits_quant_weight(bits, k, g):
+        if not act_order:
+            return to_quant_weight(codes, scales_nk, zeros, bits, g)
+        group_of = g_idx.long()
+        if bool((torch.bincount(group_of, minlength=ngroups) == g).all()):  # every group G columns
+            perm = torch.sort(group_of, stable=True).indices  # groups in order, columns ascending within
+            return to_quant_weight(codes[:, perm], scales_nk, zeros, bits, g, perm=perm)
     return dequantize_groups(codes, scales_nk, zeros, g_idx if act_order else plain)

@@ -46,9 +46,10 @@ def fits_quant_weight(bits: int, k: int, group_size: int) -> bool:
 
 
 def to_quant_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                    group_size: int) -> QuantWeight:
+                    group_size: int, perm: torch.Tensor | None = None) -> QuantWeight:
     """Codes [N, K] (0 .. 2**bits - 1), scales and integer zero points [N, K // group_size] of a
-    weight whose value is scale * (q - zero) -> the same weight as a QuantWeight: value =
+    weight whose value is scale * (q - zero) -> the same weight as a QuantWeight (with `perm`:
+    codes whose columns are the input columns in that order, `QuantWeight.perm`): value =
     scale * q + bias with bias = -scale * zero computed in float32. The scales keep their float16
     (exact); scale * zero of a float16 scale and a zero below 2**9 is exact in float32 and so is the
     sum, so `dequantize()` equals the float32 scale * (q - zero) here, and a kernel's own summation
@@ -63,7 +64,7 @@ def to_quant_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     else:
         qweight = pack_nibbles(codes)
         biases = -(s * zeros.float())
-    return QuantWeight(qweight, scale_t.contiguous(), biases.contiguous(), 8 if bits == 8 else 4, group_size)
+    return QuantWeight(qweight, scale_t.contiguous(), biases.contiguous(), 8 if bits == 8 else 4, group_size, perm)
 
 
 def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -7,7 +7,9 @@ the loader), with the real `quantization_config` fields in config.json.
 - `none` gives greedy output token-identical to a float checkpoint holding those weights.
 - `auto` computes GPTQ/AWQ projections as QuantLinear; prompt log-probs stay within LOGPROB_TOL
   of the float reference (the CPU kernel rounds activations to int16 per 32-element block).
-- Act-order GPTQ (a permuted g_idx) is dequantized, exactly.
+- Act-order GPTQ (a shuffled g_idx) stays quantized too, its input columns permuted so each group
+  is contiguous (`QuantWeight.perm`): the same values, and greedy output equal to the same
+  checkpoint dequantized at load.
 - Unsupported settings are a ConfigError at load naming them."""
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def quant_config(kind: str) -> dict:
 
 
 KINDS = ["gptq", "gptq_v2", "gptq8", "gptq2", "gptq_act", "awq", "fp8", "ct_fp8"]
-KEPT = {"gptq", "gptq_v2", "gptq8", "gptq2", "awq"}  # become QuantWeights with `auto`
+KEPT = {"gptq", "gptq_v2", "gptq8", "gptq2", "gptq_act", "awq"}  # become QuantWeights with `auto`
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +207,9 @@ def test_unpacking_is_exact(checkpoints, kind):
         w = kept[prefix + ".weight"]
         if kind in KEPT:
             assert isinstance(w, QuantWeight) and w.bits == (8 if kind == "gptq8" else 4), prefix
+            assert (w.perm is not None) == (kind == "gptq_act"), prefix
             assert torch.equal(w.dequantize(), ref[prefix + ".weight"]), prefix
-        else:  # FP8 and act-order GPTQ are dequantized whatever `keep` says
+        else:  # FP8 is dequantized whatever `keep` says
             assert isinstance(w, torch.Tensor) and torch.equal(w, ref[prefix + ".weight"]), prefix
 
 
@@ -233,7 +236,7 @@ def worst_logprob_gap(a: Engine, b: Engine, ids: list[list[int]]) -> float:
 
 @pytest.mark.parametrize("kind", ["gptq", "gptq8", "awq", "gptq_act", "fp8"])
 def test_auto_keeps_quantized_close_to_float(checkpoints, kind):
-    """GPTQ/AWQ projections run as QuantLinear; act-order GPTQ and FP8 as float (dequantized).
+    """GPTQ/AWQ projections (act-order GPTQ included) run as QuantLinear; FP8 as float (dequantized).
     Long and short prompts (the kernel computes every row count alike): log-probs within
     LOGPROB_TOL of the float model, DEQUANTIZED_TOL where nothing stayed quantized."""
     qdir, fdir, _, _ = checkpoints(kind)
@@ -248,6 +251,25 @@ def test_auto_keeps_quantized_close_to_float(checkpoints, kind):
     for lo, hi, seed in ((20, 40, 4), (4, 14, 5)):
         gap = worst_logprob_gap(ref, eng, prompts(ref, 3, seed=seed, lo=lo, hi=hi))
         assert gap < tol, f"{kind}: a prompt token's logprob moved by {gap:.5f}"
+
+
+def test_act_order_kept_quantized_matches_dequantized(checkpoints):
+    """Act-order GPTQ kept quantized (its columns permuted, x gathered per call) against the same
+    checkpoint dequantized at load: each projection's output within the kernel's tolerance of
+    F.linear over the dequantized weight, and greedy tokens equal."""
+    qdir, _, _, ref = checkpoints("gptq_act")
+    eng = Engine(model_path=qdir, max_total_tokens=2048)
+    deq = Engine(model_path=qdir, quantization="none", max_total_tokens=2048)
+    layer = eng.model_runner.model.layers[0]
+    for lin, names in ((layer.attn.qkv_proj, ("q_proj", "k_proj", "v_proj")), (layer.mlp.down, ("down_proj",))):
+        assert isinstance(lin, QuantLinear) and all(p.perm is not None for p in lin.parts)
+        parts = [ref[f"model.layers.0.{'mlp' if n == 'down_proj' else 'self_attn'}.{n}.weight"] for n in names]
+        x = torch.randn(7, lin.in_features, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(lin(x), x @ torch.cat(parts).t(), atol=2e-3, rtol=2e-3)
+    ids = prompts(eng, 3, seed=7)
+    want = deq.generate(input_ids=ids, sampling_params=GREEDY)
+    got = eng.generate(input_ids=ids, sampling_params=GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
 BAD = [

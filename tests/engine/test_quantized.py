@@ -26,8 +26,13 @@ MODES = {
     "no_radix": dict(disable_radix_cache=True),
     "retraction": dict(max_total_tokens=260),
     "ngram": dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4),
+    # The checkpoint drafts for itself (quantized the same way): DRAFT_EXTEND_V2 and verify batches.
+    "draft_model": dict(speculative_algorithm="draft_model", speculative_num_draft_tokens=3),
+    "split": dict(enable_split_prefill=True, split_forward_token_budget=8),
     "cpu_graph": dict(cpu_graph="on", cpu_graph_max_bs=8),
 }
+MODE_BATCHES = {"mixed": "MIXED", "ngram": "TARGET_VERIFY", "draft_model": "DRAFT_EXTEND_V2",
+                "split": "SPLIT_PREFILL"}  # a mode's batches that must have run
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +65,12 @@ def test_batching_modes_keep_outputs(q4k_file, float_dir, weights, mode):
     ids = prompts(plain, 10, seed=11, lo=20, hi=60)
     ids += [ids[0][:30] + p[:5] for p in ids[1:4]]  # shared prefixes: radix hits
     want = [o.token_ids for o in plain.generate(input_ids=ids, sampling_params=PARAMS)]
-    eng = Engine(model_path=path, **{"max_total_tokens": 4096, **kw, **MODES[mode]})
+    extra = {"speculative_draft_model_path": path} if mode == "draft_model" else {}
+    eng = Engine(model_path=path, **{"max_total_tokens": 4096, **kw, **MODES[mode], **extra})
     got = [o.token_ids for o in run_staggered(eng, ids, PARAMS, every=2)]
     assert got == want
+    if mode in MODE_BATCHES:
+        assert eng.stats().batches_by_mode[MODE_BATCHES[mode]] > 0
     if mode == "retraction":
         assert eng.stats().num_retracted > 0
     if mode == "cpu_graph":

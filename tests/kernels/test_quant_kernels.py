@@ -183,3 +183,40 @@ def test_qgemm_is_one_opaque_node_under_torch_compile():
     for m in (1, 20):
         x = torch.randn(m, 64, generator=gen)
         assert torch.equal(compiled(x), f(x))
+
+
+def test_a_column_permutation_is_one_gather_of_x():
+    """A weight stored with its input columns permuted (GPTQ act-order, `QuantWeight.perm`):
+    qgemm gathers x's columns once and runs the kernel on the stored weight, bit for bit what
+    the unpermuted weight gives on the gathered x; `dequantize` undoes the permutation; row
+    selections, fusion and moves keep it; a column split must not cut through it."""
+    gen = torch.Generator().manual_seed(6)
+    base = make_weight("q4_1", 96, 128, gen)
+    perm = torch.randperm(128, generator=gen)
+    w = QuantWeight(base.qweight, base.scales, base.biases, 4, 32, perm)
+    x = torch.randn(2, 3, 128, generator=gen)
+    y = qgemm(x, w)
+    assert torch.equal(y.view(6, 96), run(x.view(6, 128)[:, perm], base))
+    want = torch.empty(96, 128)
+    want[:, perm] = base.dequantize()
+    assert torch.equal(w.dequantize(), want) and torch.equal(w.dequantize_rows(torch.tensor([3, 5])), want[[3, 5]])
+    torch.testing.assert_close(y, F.linear(x, w.dequantize()), atol=0.02, rtol=0.02)
+    assert w.nbytes() == base.nbytes() + 128 * 8 and torch.equal(w.to(torch.device("cpu")).perm, perm)
+    lin = QuantLinear([w.select_rows(slice(0, 40)), w.select_rows(slice(40, 96))])
+    assert len(lin.parts) == 1 and torch.equal(lin(x), y)  # same permutation: fused
+    other = QuantWeight(base.qweight, base.scales, base.biases, 4, 32, torch.arange(128))
+    lin = QuantLinear([w.select_rows(slice(0, 40)), other.select_rows(slice(40, 96))])
+    assert len(lin.parts) == 2 and torch.equal(lin(x)[..., :40], y[..., :40])
+    with pytest.raises(ValueError, match="act-order"):
+        w.select_cols(0, 64)
+    halves = torch.cat([torch.randperm(64, generator=gen), 64 + torch.randperm(64, generator=gen)])
+    closed = QuantWeight(base.qweight, base.scales, base.biases, 4, 32, halves)
+    right = closed.select_cols(64, 128)  # its stored columns [64, 128) are inputs [64, 128)
+    assert torch.equal(right.dequantize(), closed.dequantize()[:, 64:])
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_no_rows_looked_up(fmt):
+    """An embedding lookup of no ids (an IDLE batch under attention-DP) is [0, K]."""
+    w = make_weight(fmt, 16, 64, torch.Generator().manual_seed(8))
+    assert w.dequantize_rows(torch.zeros(0, dtype=torch.long)).shape == (0, 64)

@@ -159,3 +159,12 @@ def test_qgemm_replays_in_a_cuda_graph():
     static_x.copy_(x2)
     graph.replay()
     torch.testing.assert_close(out.float(), reference(x2, w), **TOL[torch.float16])
+
+
+@pytest.mark.parametrize("fmt", ["q4_g32_f16_bias", "q8_g16_f32"])
+def test_qgemm_with_a_column_permutation(fmt):
+    """An act-order weight (`QuantWeight.perm`): the kernel reads x's columns in the stored order."""
+    w = make_weight(fmt, 48, 96)
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(2)).to(DEV)
+    w = QuantWeight(w.qweight, w.scales, w.biases, w.bits, w.group_size, perm)
+    check(activations(5, 96), w)

@@ -25,7 +25,7 @@ from actors.dp_coordinator import DPCoordinator
 from actors.engine_actor import EngineActor
 from cluster import Cluster, ClusterConfig
 from cluster.health import wait_ready
-from engine import GenerateOutput, SamplingParams
+from engine import Engine, GenerateOutput, SamplingParams
 from engine.engine import collect_output
 from tests.helpers import finals_after
 from tests.ray.conftest import take_down_engine_0
@@ -44,6 +44,9 @@ def cluster_configs(model_dirs) -> dict[str, ClusterConfig]:
 
     return {
         "llama": dp("llama"),
+        # Weights quantized at load (int4 blocks of 32): each member holds half of every MLP's
+        # quantized blocks; the reference is one engine with the same quantized weights.
+        "llama-int4": dp("llama", engine={"quantization": "int4"}),
         "qwen3": dp("qwen3"),
         # One group of two for the module's stories tests, the fault tests included: chunked
         # prefills (long prompts arrive in chunks beside decodes), quick health checks, a short
@@ -86,10 +89,12 @@ def mode_diff(after, before, mode: str) -> list[int]:
     return [a.engine.batches_by_mode[mode] - b.engine.batches_by_mode[mode] for a, b in zip(after, before)]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "stories"])  # llama's group serves the next test too
+@pytest.mark.parametrize("name", ["llama-int4", "qwen3", "llama", "stories"])  # llama's serves the next test too
 def test_group_matches_single_engine(clusters, single, name):
     cl = clusters.get(name)
-    engine = single(cl.config.model_path)
+    quantization = cl.config.engine.get("quantization")
+    engine = single(cl.config.model_path) if quantization is None else Engine(
+        model_path=cl.config.model_path, quantization=quantization)
     ids = prompts_for(engine.model_config.vocab_size, 6, seed=11)
     ref = engine.generate(input_ids=ids, sampling_params=GREEDY)
     before = cl.stats()
