@@ -171,6 +171,7 @@ class EngineActor:
         else:
             self.engine = Engine(config, mlp_shard=shard, kv_source=self.kv_source)
         self._kv_links: PrefillLinks | None = None  # a prefill engine's p2p links (on first use)
+        self._runtime_loras: dict[str, tuple[str, bool]] = {}  # loaded at run time: name -> (folder, pinned)
         # Evicted radix paths, for the routers' cache-aware trees (each reads them by heartbeat()).
         self._evicted = EvictionLog()
         self.engine.scheduler.cache.subscribe(self._on_kv_event, MEDIUMS)
@@ -295,7 +296,9 @@ class EngineActor:
         if lora is None:
             return LoRAAdapters()
         with self.engine.between_steps():
-            return LoRAAdapters(lora.names(), lora.resident(), lora.max_loaded_loras)
+            names = lora.names()
+            runtime = [(n, path, pinned) for n, (path, pinned) in self._runtime_loras.items() if n in names]
+            return LoRAAdapters(names, lora.resident(), lora.max_loaded_loras, runtime)
 
     async def lora_adapters(self) -> bytes:
         """The adapters requests may name here, and those in host memory (a LoRAAdapters)."""
@@ -305,8 +308,10 @@ class EngineActor:
         try:
             if op == "load":
                 self.engine.load_lora_adapter(name, path, pinned)
+                self._runtime_loras[name] = (path, pinned)
                 return LoRAUpdate(self._lora_adapters())
             gone = self.engine.unload_lora_adapter(name)
+            self._runtime_loras.pop(name, None)
         except UnknownLoRAError as e:
             return LoRAUpdate(self._lora_adapters(), error=str(e), unknown=True)
         except LoRAAdapterError as e:  # the engine is unchanged

@@ -51,6 +51,7 @@ from engine.tokenizer import Tokenizer
 __all__ = ["ACTOR_NAMESPACE", "Cluster", "ensure_ray"]
 log = logging.getLogger("radixray.cluster")
 LORA_CALL_TIMEOUT_S = 300.0  # loading an adapter reads (and checks) its files on every engine
+LORA_REPORT_TIMEOUT_S = 10.0  # an engine's report of its adapters
 LORA_REFRESH_S = 1.0  # an unknown adapter name asks the engines again at most this often
 
 
@@ -149,12 +150,17 @@ class Cluster:
         asyncio.run_coroutine_threadsafe(self._sync_adapters(idx), self._loop)
 
     async def _sync_adapters(self, idx: int) -> None:
-        """Load on engine idx the adapters loaded through this cluster that it lacks, then take
-        its adapters into the router's view."""
+        """Load on engine idx the adapters loaded at run time that it lacks (through this front
+        end, or through any other: as the fleet's other engines report them now), then take its
+        adapters into the router's view."""
         engine = self.engines[idx]
         try:
             adapters = decode_lora_adapters(await engine.actor.lora_adapters.remote())
-            for name, (path, pinned) in list(self._runtime_loras.items()):
+            wanted = dict(self._runtime_loras)
+            if adapters.max_loaded:
+                wanted.update({name: (path, pinned) for name, path, pinned in await self._fleet_runtime_loras(idx)
+                               if name not in wanted})
+            for name, (path, pinned) in wanted.items():
                 if adapters.max_loaded and name not in adapters.names:
                     update = decode_lora_update(await engine.actor.load_lora_adapter.remote(name, path, pinned))
                     if update.error:
@@ -164,6 +170,18 @@ class Cluster:
             log.warning("could not read engine %d's LoRA adapters: %s", idx, type(e).__name__)
             return
         self._take_adapters(idx, adapters)
+
+    async def _fleet_runtime_loras(self, idx: int) -> list[tuple[str, str, bool]]:
+        """The adapters the other live engines report loaded at run time (asked now, so an
+        adapter unloaded meanwhile is not loaded again); an engine that does not answer within
+        LORA_REPORT_TIMEOUT_S adds none."""
+        with self._lock:
+            others = [e.actor for i, e in enumerate(self.engines) if i != idx and not e.retired]
+        found: list[tuple[str, str, bool]] = []
+        for ref in [actor.lora_adapters.remote() for actor in others]:
+            with contextlib.suppress(Exception):
+                found += decode_lora_adapters(await asyncio.wait_for(ref, LORA_REPORT_TIMEOUT_S)).runtime
+        return found
 
     def _take_adapters(self, idx: int, adapters: LoRAAdapters) -> None:
         with self._lock:

@@ -240,3 +240,33 @@ def test_batch_lines_name_adapters(clusters, reference, folders):
     ref = reference.generate(prompt=["Hi there"] * 2, sampling_params=GREEDY, lora_name=["a", None])
     assert [got["a"]["text"], got["base"]["text"]] == [r.text for r in ref]
     assert got["a"]["text"] != got["base"]["text"]
+
+
+def test_a_restarted_engine_gets_the_adapters_another_front_end_loaded(clusters, reference, folders):
+    """The fleet's run-time adapters are the engines' (each reports those it loaded at run time,
+    with their folders), not one front end's: an engine that restarts gets them from whichever
+    front end sees it come back, here one that never loaded them itself."""
+    import time
+    import uuid
+
+    from actors.protocol import GenerateRequest, decode_delta, encode
+    from tests.ray.conftest import take_down_engine_0
+
+    cl = clusters.get("lora")
+    cl.load_lora_adapter("extra", folders["extra"])
+    try:
+        assert [s.engine.lora_adapters for s in cl.stats().engines] == [["a", "b", "extra"]] * 2
+        cl._runtime_loras.clear()  # as a front end that did not load it sees the fleet
+        take_down_engine_0(cl)
+        deadline = time.monotonic() + 120
+        while not (cl.healthy()[0] and cl.router.serves(0, "extra")):
+            assert time.monotonic() < deadline, "the restarted engine never got the adapter back"
+            time.sleep(0.2)
+        assert cl.stats().engines[0].engine.lora_adapters == ["a", "b", "extra"]
+        want = reference.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_name="extra").token_ids
+        request = GenerateRequest(rid=uuid.uuid4().hex, input_ids=PROMPTS[0], sampling_params=GREEDY,
+                                  lora_name="extra")
+        got = [t for ref in cl.actors[0].generate.remote(encode(request)) for t in decode_delta(ray.get(ref)).token_ids]
+        assert got == want  # on the restarted engine itself
+    finally:
+        cl.unload_lora_adapter("extra")
