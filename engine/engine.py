@@ -272,8 +272,9 @@ class Engine:
             raise LoRAAdapterError(name, "this engine serves no LoRA adapters (start it with enable_lora)")
         if not name or not isinstance(name, str) or "=" in name:
             raise LoRAAdapterError(str(name), "bad adapter name")
+        adapter = self.lora.read(name, path)  # the files are read while steps go on
         with self._step_lock:  # the manager belongs to the step thread
-            self.lora.load_adapter(name, path, pinned=pinned)
+            self.lora.load_adapter(name, path, pinned=pinned, adapter=adapter)
 
     def unload_lora_adapter(self, name: str) -> bool:
         """Stop serving adapter `name`: new requests naming it fail (UnknownLoRAError); its running

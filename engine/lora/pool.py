@@ -316,9 +316,16 @@ class LoRAManager:
 
     # -- load, unload --------------------------------------------------------------------------
 
-    def load_adapter(self, name: str, path: str, pinned: bool = False) -> LoRAAdapter:
+    def read(self, name: str, path: str) -> LoRAAdapter:
+        """Read and validate the adapter in `path` for this manager (LoRAAdapterError), changing
+        nothing: safe off the step thread, so a run-time load reads its files while steps run."""
+        return self._read(name, path)
+
+    def load_adapter(self, name: str, path: str, pinned: bool = False,
+                     adapter: LoRAAdapter | None = None) -> LoRAAdapter:
         """Read, validate and keep adapter `name` (LoRAAdapterError on a bad adapter, an existing
-        name, no host room or too many pinned ones; nothing changes then)."""
+        name, no host room or too many pinned ones; nothing changes then). `adapter`: already
+        read from `path` (`read`)."""
         if name in self._known or name in self._draining:
             raise LoRAAdapterError(name, "an adapter of that name is already loaded")
         if pinned:
@@ -331,7 +338,8 @@ class LoRAManager:
                     f"cannot pin another adapter ({n_pinned} pinned, max_loras_per_batch "
                     f"{self.max_loras_per_batch}: one slot must rotate)",
                 )
-        adapter = self._read(name, path)
+        if adapter is None:
+            adapter = self._read(name, path)
         self._make_host_room(name)
         self._known[name] = LoRAPath(lora_path=path, pinned=pinned)
         self._resident[name] = adapter

@@ -292,6 +292,47 @@ def test_load_unload_at_run_time(model_dirs, loras):
     eng.check_memory()
 
 
+def test_a_run_time_load_reads_its_files_while_steps_go_on(model_dirs, loras):
+    """The adapter's files are read outside the step lock: a stream keeps decoding while a load is
+    stuck reading (here, held until the stream has made progress), and then the adapter serves."""
+    import threading
+
+    folders, ref = loras
+    eng = Engine(model_path=model_dirs["llama"], enable_lora=True, max_lora_rank=16)
+    eng.start_loop()
+    try:
+        tokens: list[int] = []
+        progressed = threading.Event()
+
+        def sink(delta):
+            tokens.extend(delta.token_ids)
+            if len(tokens) >= 8:
+                progressed.set()
+
+        read = eng.lora._read  # what a load reads the folder with
+
+        def slow_read(name, path):
+            started.set()
+            assert progressed.wait(60), "no decode step ran while the adapter was being read"
+            return read(name, path)
+
+        started = threading.Event()
+        eng.lora._read = slow_read
+        loader = threading.Thread(target=eng.load_lora_adapter, args=("all8", folders["all8"]))
+        loader.start()
+        assert started.wait(10)
+        eng.submit(PROMPTS[1], SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True), sink)
+        loader.join(60)
+        assert not loader.is_alive() and progressed.is_set()
+        out = eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_name="all8")
+        assert out.token_ids == ref(PROMPTS[0], "all8")
+        while eng.has_pending():
+            threading.Event().wait(0.01)
+        eng.check_memory()
+    finally:
+        eng.shutdown()
+
+
 def test_bad_adapters_never_kill_the_engine(model_dirs, loras, tmp_path):
     folders, ref = loras
     eng = Engine(model_path=model_dirs["llama"], enable_lora=True, max_lora_rank=8)
