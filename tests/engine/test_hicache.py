@@ -582,3 +582,23 @@ def _tier_kwargs(path: Path, backend: str) -> dict:
         "hicache_storage_path": str(path),
         "hicache_storage_page_size": 16,
     }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_cuda_host_tier_loads_back_through_pinned_buffers(model_dirs, write_policy):
+    """On CUDA the host tier is pinned memory and its copies run on a copy stream: the tokens equal
+    an engine whose pool holds everything, later rounds hit the host tier, and every slot returns."""
+    prompts = _conversation()
+    kw = {"device": "cuda", "dtype": "float32"}
+    ref = _engine(model_dirs["llama"], 512, None, **kw)
+    tiered = _engine(model_dirs["llama"], 96, HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=3,
+                                                            hicache_write_policy=write_policy), **kw)
+    host = tiered.scheduler.cache.hicache.host
+    assert host.pinned and host.copy_stream is not None
+    for ids in prompts:
+        assert tiered.generate(input_ids=ids, sampling_params=GREEDY).token_ids == ref.generate(
+            input_ids=ids, sampling_params=GREEDY).token_ids
+        tiered.check_memory()
+    assert tiered.stats().hicache.host.hit_tokens > 0
