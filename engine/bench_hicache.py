@@ -13,7 +13,8 @@ alone), host tier (`enable_hierarchical_cache`, a host tier twice the pool, SGLa
 same host tier over a file storage tier in a temporary folder, which holds everything). Per engine:
 the hit rate (prompt tokens served from any tier / prompt tokens), the prompt tokens computed,
 and TTFT p50/p90 (four requests in flight, stepped here). Then the eviction policies (lru, lfu,
-slru, cost_aware) replayed on the same traces through a capacity-limited cache with no model
+slru, cost_aware) replayed on the same traces, and on a churn trace whose popularity reverses
+halfway ("shift"), through a capacity-limited cache with no model
 (`CacheManager` over a one-float KV pool of the same token capacity), pool only and with the host
 tier: the hit rate per policy against lru. TTFT and hit rates go to a PNG."""
 
@@ -87,6 +88,20 @@ def churn_trace(scale: float, vocab: int) -> Trace:
     order = rng.choices(range(tenants), weights=[1 / (k + 1) for k in range(tenants)], k=n)
     prompts = [docs[t] + random_prompts(1, 32, 32, vocab, rng)[0] for t in order]
     return Trace("churn", prompts, 6 * (plen + 32 + OUTPUT_TOKENS))
+
+
+def shift_trace(scale: float, vocab: int) -> Trace:
+    """The churn trace's shape with a popularity shift halfway: the second half draws the tenants
+    in the reverse Zipf order (yesterday's rarest documents are today's most asked), where
+    counting past hits (lfu) keeps the wrong documents."""
+    rng = random.Random(7)
+    tenants, plen, n = 24, max(64, int(768 * scale)), max(24, int(192 * scale))
+    docs = random_prompts(tenants, plen, plen, vocab, rng)
+    weights = [1 / (k + 1) for k in range(tenants)]
+    order = rng.choices(range(tenants), weights=weights, k=n // 2)
+    order += rng.choices(list(reversed(range(tenants))), weights=weights, k=n - n // 2)
+    prompts = [docs[t] + random_prompts(1, 32, 32, vocab, rng)[0] for t in order]
+    return Trace("shift", prompts, 6 * (plen + 32 + OUTPUT_TOKENS))
 
 
 def engine_configs(storage_dir: str) -> dict[str, dict]:
@@ -195,7 +210,7 @@ def plot(
     ):
         ax.set_xticks([t + width * (len(names) - 1) / 2 for t in range(len(traces))], traces)
         ax.set(title=title, ylabel=unit)
-    rows = [(t, tier) for t in traces for tier in ("pool", "host")]
+    rows = [(t, tier) for t in policies for tier in ("pool", "host")]
     width = 0.8 / len(POLICIES)
     for k, policy in enumerate(POLICIES):
         axes[2].bar(
@@ -264,7 +279,7 @@ def case_hicache(path: str, scale: float, plot_path: str | None = PLOT_PATH) -> 
             f"(hit {host['hit']:.0%} vs {base['hit']:.0%})",
         )
     policies: dict[str, dict[str, dict[str, float]]] = {}
-    for trace in traces:
+    for trace in [*traces, shift_trace(scale, vocab)]:  # the shift trace: replayed only
         policies[trace.name] = {}
         for tier, host in (("pool", False), ("host", True)):
             rates = policies[trace.name][tier] = {

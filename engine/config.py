@@ -258,8 +258,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # hicache_storage_prefetch_timeout_s, use what arrived), best_effort (use what is prefetched).
     hicache_storage_prefetch_policy: PrefetchPolicy = HICACHE.hicache_storage_prefetch_policy
     hicache_storage_prefetch_timeout_s: float = HICACHE.hicache_storage_prefetch_timeout_s  # the timeout policy's wait per match, in seconds
-    # Which unlocked radix nodes are evicted first, in every tier: lru, lfu, slru, priority (the
-    # requests' priority: a higher value goes first), cost_aware (recompute cost per slot x reuse).
+    # Which unlocked radix nodes are evicted first, in every tier: cost_aware (the default: recompute
+    # cost per slot x reuse / idle time), lru, lfu, slru, priority (the requests' priority: a higher
+    # value goes first).
     radix_eviction_policy: str = HICACHE.radix_eviction_policy
     # LoRA adapters (engine/lora; checks: LoRAConfig). Adapters loaded at start: name -> PEFT folder,
     # or {"lora_path": folder, "pinned": true} (never evicted); on the command line name=folder pairs

@@ -35,7 +35,7 @@ class HiCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
     hicache_storage_page_size: int = 64
     hicache_storage_prefetch_policy: PrefetchPolicy = "wait_complete"
     hicache_storage_prefetch_timeout_s: float = 1.0
-    radix_eviction_policy: str = "lru"
+    radix_eviction_policy: str = "cost_aware"
 
     def __post_init__(self) -> None:
         if self.radix_eviction_policy not in EVICTION_POLICIES:

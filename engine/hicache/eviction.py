@@ -55,7 +55,7 @@ def create_eviction_policy(name: str, hidden_size: int = 0) -> EvictionPolicy:
 
 @register_policy
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first (the default)."""
+    """Least recently used first (SGLang's default)."""
 
     name = "lru"
 
@@ -103,7 +103,9 @@ class PriorityPolicy(EvictionPolicy):
 @register_policy
 class CostAwarePolicy(EvictionPolicy):
     """Keeps what is dearest to recompute per slot held, weighted by reuse (cost-aware hyperbolic
-    caching: value = hits x cost / idle time, smallest evicted first).
+    caching: value = hits x cost / idle time, smallest evicted first). The default: in the
+    replays of `python -m engine.bench --cases hicache` it is the one policy never below lru (a
+    shift in popularity included, where lfu falls below it).
 
     Recomputing a node's n tokens at positions depth .. depth+n-1 costs, per token, a constant
     part (the projections and MLP, ~2 x parameters FLOPs) plus attention over every earlier

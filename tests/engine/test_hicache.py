@@ -482,7 +482,7 @@ def test_engine_config_holds_the_settings_and_checks_them(model_dirs):
     assert cache.hicache is None and cache.tree.policy.name == "cost_aware"
     assert cache.tree.policy.attention_tokens == 6 * eng.model_config.hidden_size
     plain = Engine(model_path=model_dirs["llama"], max_total_tokens=64)
-    assert plain.scheduler.cache.hicache is None and plain.scheduler.cache.tree.policy.name == "lru"
+    assert plain.scheduler.cache.hicache is None and plain.scheduler.cache.tree.policy.name == "cost_aware"
 
 
 def test_request_priority_reaches_the_priority_policy(model_dirs):
