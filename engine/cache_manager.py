@@ -22,6 +22,7 @@ import msgspec
 import torch
 
 from engine.errors import MemoryInvariantError
+from engine.hicache.config import DEFAULTS
 from engine.hicache.eviction import create_eviction_policy
 from engine.hicache.hiradix_cache import HiRadixCache
 from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
@@ -117,7 +118,7 @@ class CacheManager:
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
                  share_prefixes: bool = True, hicache: HiCacheConfig | None = None,
                  kv_cache: KVCache | None = None, model_id: str = "", hidden_size: int = 0) -> None:
-        """hicache None: the radix cache with LRU (or no cache), as always. Otherwise its eviction
+        """hicache None: the radix cache with the default eviction policy (or no cache). Otherwise its eviction
         policy, and with enable_hierarchical_cache the host (and storage) tiers, which copy KV in
         and out of `kv_cache` (the device pool); `model_id` names the weights in storage keys and
         `hidden_size` fits the cost_aware policy to the model."""
@@ -125,7 +126,8 @@ class CacheManager:
         self.req_to_token = req_to_token_pool.req_to_token
         self.allocator = allocator
         self.hidden_size = hidden_size
-        self.tree: PrefixCache = RadixCache(allocator) if share_prefixes else NoRadixCache(allocator)
+        self.tree: PrefixCache = (RadixCache(allocator, create_eviction_policy(DEFAULTS.radix_eviction_policy, hidden_size))
+                                  if share_prefixes else NoRadixCache(allocator))
         self.hicache: HiRadixCache | None = None
         self._subscribers: list[tuple[Callable[[KVEvent], None], frozenset[str]]] = []
         # A LoRA adapter load's id -> its name (the scheduler sets it when LoRA is on): KV events

@@ -70,7 +70,8 @@ class HiCacheConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def is_default(self) -> bool:
-        """The plain radix cache with LRU: what a CacheManager builds with no config."""
+        """The plain radix cache with the default eviction policy: what a CacheManager builds
+        with no config."""
         return self == DEFAULTS
 
 

@@ -229,4 +229,4 @@ def test_cache_manager_uses_the_configured_policy_and_request_priority():
     cm.alloc_slots(3)  # 15 cached + 3 > 16: one node goes, the priority-3 one
     assert sorted(cm.snapshot()) == [[20] * 5, [30] * 5]
     default = CacheManager(ReqToTokenPool(4, 32, DEV), TokenToKVPoolAllocator(16, DEV))
-    assert default.hicache is None and default.tree.policy.name == "lru"
+    assert default.hicache is None and default.tree.policy.name == "cost_aware"
