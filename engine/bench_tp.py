@@ -8,6 +8,7 @@ step times a small-message NCCL all-reduce latency on NVLink."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 import socket
 
@@ -18,6 +19,8 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.bench_common import random_prompts
 
 BATCHES = (1, 8, 32)
+# RADIXRAY_BENCH_CPU_GRAPH=on: both engines run CPU decode graphs (compiled at start-up).
+CPU_GRAPH = os.environ.get("RADIXRAY_BENCH_CPU_GRAPH", "off")
 # A small-message NCCL all-reduce between two GPUs over NVLink: of the order of 10 us (latency
 # bound; nccl-tests' published figures for 8 B to 64 KiB on H100 NVLink). An estimate.
 NVLINK_ALL_REDUCE_S = 10e-6
@@ -77,7 +80,7 @@ def case_tp(path: str, scale: float) -> None:
         device="cpu",
         max_total_tokens=16384,
         max_running_requests=max(BATCHES),
-        cpu_graph="off",
+        cpu_graph=CPU_GRAPH,
     )
     threads = torch.get_num_threads()
     one = Engine(**base, torch_threads=2)
@@ -108,7 +111,7 @@ def case_tp(path: str, scale: float) -> None:
             rate, per_step = _decode_rate(tp, bs, out_len, rng)
             estimate = per_step["calls"] * NVLINK_ALL_REDUCE_S
             print(
-                f"tp         bs={bs:<3} one rank x2 threads={rates_one[bs]:,.1f} tok/s  "
+                f"tp         graphs={CPU_GRAPH} bs={bs:<3} one rank x2 threads={rates_one[bs]:,.1f} tok/s  "
                 f"tp=2 x1 thread={rate:,.1f} tok/s  ratio={rate / rates_one[bs]:.2f}x  "
                 f"collectives={per_step['collective_s'] * 1e3:.2f} ms/step ({per_step['calls']:.0f} calls, "
                 f"{layers} layers)  broadcast={per_step['object_s'] * 1e3:.2f} ms/step  "

@@ -14,7 +14,7 @@ import torch
 from engine.attention import create_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model_path import resolve_model_path
 from engine.models import build_model
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from engine.lora import LoRAConfig, LoRAManager, LoRAReplica, PoolEvent
+    from engine.tp.graph_ops import GraphCollectives
     from engine.tp.sharding import TPLoRAShards
     from kernels.lora import LoRAWeights
 
@@ -131,9 +132,13 @@ class ModelRunner:
         # This rank's KV heads (replicated ones included): the pool is sized per rank.
         per_token = self.layout.kv_bytes_per_token(cfg.num_hidden_layers, self.dtype)
         self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)
+        cpu_graphs = self.device.type == "cpu" and cpu_graphs_enabled(config, self.dtype)
         if self.tp_size > 1:  # every rank must have every slot rank 0 hands out
-            counts = self.tp_group.all_gather(torch.tensor([self.max_total_tokens], device=self.device), dim=0)
-            self.max_total_tokens = int(counts.min())
+            # (and CPU graphs on every rank or on none: "auto" may read each process's environment)
+            agreed = self.tp_group.all_gather(
+                torch.tensor([self.max_total_tokens, int(cpu_graphs)], device=self.device), dim=0)
+            self.max_total_tokens = int(agreed[0::2].min())
+            cpu_graphs = bool(agreed[1::2].min())
         max_running = config.max_running_requests or min(256, max(8, self.max_total_tokens // 32))
         self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, self.device)
         self.future_token_ids = torch.zeros(max_running + 1, dtype=torch.int64, device=self.device)
@@ -149,8 +154,11 @@ class ModelRunner:
         # same step can share the device (SGLang's PD multiplexing gives each its own SMs too).
         self.split_stream = torch.cuda.Stream(self.device) if cuda and config.enable_split_prefill else None
         self.graph_runner = None
-        # Graphs stay off under tensor parallelism: a gloo collective cannot be inside a CPU graph
-        # (torch.compile), and NCCL inside CUDA graphs is not wired here yet.
+        self.cpu_graphs = False  # graph_runner is a CpuGraphRunner
+        # Under TP the CPU graphs hold the collectives as operators bound to this runner's group
+        # (engine/tp/graph_ops.py; unbound on close). CUDA graphs stay off under TP: NCCL inside
+        # CUDA graphs is not wired here yet.
+        self.graph_collectives: GraphCollectives | None = None
         if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1 and self.tp_size == 1
                 and self.attn_backend.graph_safe):  # a backend that is not graph-safe runs eagerly
             from engine.cuda_graph import CudaGraphRunner
@@ -162,7 +170,7 @@ class ModelRunner:
                                                 dllm_width)
             if self.model.expert_tokens is not None:  # capture's warm-up forwards are no traffic
                 self.model.expert_tokens.zero_()
-        elif (not cuda and cpu_graphs_enabled(config, self.dtype) and mlp_shard[1] == 1 and self.tp_size == 1
+        elif (cpu_graphs and mlp_shard[1] == 1
               and self.attn_backend.cpu_graph_safe
               and self.model.cpu_graph_safe):  # (attention-DP's MLP collectives stay eager, as on CUDA)
             from engine.cpu_graph import CpuGraphRunner
@@ -170,7 +178,12 @@ class ModelRunner:
             max_bs = config.cpu_graph_max_bs or config.cuda_graph_max_bs
             # Rows, not requests: a DLLM_EXTEND batch is a row per token, a block or more per request.
             rows = max_running * (cfg.dllm_block_size if cfg.is_dllm else 1)
-            self.graph_runner = CpuGraphRunner(self, min(max_bs, rows))
+            if self.tp_size > 1:
+                from engine.tp.graph_ops import GraphCollectives
+
+                self.graph_collectives = GraphCollectives(self.tp_group)
+            self.graph_runner = CpuGraphRunner(self, min(max_bs, rows), self.graph_collectives)
+            self.cpu_graphs = True
             if not config.enable_lazy_cpu_graph:
                 seconds = self.graph_runner.compile_all()
                 if self.model.expert_tokens is not None:  # warm-up forwards are no traffic
@@ -284,9 +297,10 @@ class ModelRunner:
                               f"{self.tp_rank} of tp_size {config.tp_size}")
         return group
 
-    def send_tp(self, fb: ForwardBatch, kind: int = FORWARD, split_end: int = 0) -> None:
-        """Rank 0: the batch (with the table entries the other ranks lack) to every other rank,
-        which run it too (engine/tp/worker.py). No-op on one rank."""
+    def send_tp(self, fb: ForwardBatch, kind: int = FORWARD, split_end: int = 0, graph_size: int = 0) -> None:
+        """Rank 0: the batch (with the table entries the other ranks lack, and the size of the
+        CPU graph that runs it, 0 for none) to every other rank, which run it too
+        (engine/tp/worker.py). No-op on one rank."""
         if self.tp_mirror is None:
             return
         if self.tp_group is None:
@@ -294,6 +308,7 @@ class ModelRunner:
         table = self.tp_mirror.diff(fb) if kind == FORWARD or fb.split_index == 0 else None
         msg = encode_batch(fb, kind, split_end, table) if table is not None else TPStep(kind=kind, split_end=split_end)
         msg.lora_events = self._lora_events()
+        msg.graph_size = graph_size
         self.tp_group.broadcast_object(msg)
 
     def _lora_events(self) -> list[PoolEvent] | None:
@@ -303,12 +318,15 @@ class ModelRunner:
         return self.lora_manager.take_events() or None
 
     def close(self) -> None:
-        """Rank 0 of several: tell the other ranks to leave their loops, then shut the group down.
+        """Rank 0 of several: tell the other ranks to leave their loops, then shut the group down
+        (another rank: just shut it down); its CPU graphs' binding to the group goes first.
         Idempotent; a group already broken is just dropped."""
         if self.tp_size == 1 or self.tp_group is None:
             return
         with self._tp_lock:  # after a forward in flight (overlap) has run on every rank
             group, self.tp_group = self.tp_group, None
+            if self.graph_collectives is not None:  # (its graphs cannot run any more either way)
+                self.graph_collectives.close()
         try:
             if self.tp_rank == 0:  # (the last slot changes too: every rank's slots end alike)
                 group.broadcast_object(TPStep(kind=STOP, lora_events=self._lora_events()))
@@ -364,17 +382,38 @@ class ModelRunner:
         if self.tp_mirror is None:
             return self.run_forward(fb)
         with self._tp_lock:  # (close() may run on another thread)
-            self.send_tp(fb)
-            return self.run_forward(fb)
+            size = self.graph_size(fb)  # every rank runs the same shapes: rank 0's choice
+            self.send_tp(fb, graph_size=size)
+            return self.run_forward(fb, size)
 
-    def run_forward(self, fb: ForwardBatch) -> torch.Tensor | None:
-        """`forward` without sending the batch to the other ranks (what they run it with)."""
-        if self.dllm_as_decode and fb.forward_mode.is_dllm_extend():
-            logits = self.run_forward(fb.as_decode_rows(self.model_config.dllm_block_size))
-            return logits[fb.last_token_indices]  # the masked positions' rows
+    def graph_size(self, fb: ForwardBatch) -> int:
+        """The padded batch size of the CPU graph that runs `fb`, 0 when it runs eagerly; a CUDA
+        graph pads by its own ladder (any nonzero size: it runs)."""
+        runner = self.graph_runner
         # Graphs are captured without adapters: a batch with adapter rows runs eagerly.
-        if self.graph_runner is not None and fb.lora_info is None and self.graph_runner.can_run(fb):
-            logits = self.graph_runner.replay(fb)
+        if runner is None or fb.lora_info is not None:
+            return 0
+        if not self.cpu_graphs:
+            return 1 if runner.can_run(fb) else 0
+        if self.dllm_as_decode and fb.forward_mode.is_dllm_extend():  # run as decode rows
+            return runner.size_for(ForwardMode.DECODE, fb.num_tokens)
+        return runner.size_for(fb.forward_mode, fb.batch_size)
+
+    def run_forward(self, fb: ForwardBatch, graph_size: int | None = None) -> torch.Tensor | None:
+        """`forward` without sending the batch to the other ranks (what they run it with);
+        `graph_size`: the CPU graph to run it with (0: eagerly), as rank 0 chose under tensor
+        parallelism; None: this runner's choice (`graph_size`)."""
+        if self.dllm_as_decode and fb.forward_mode.is_dllm_extend():
+            logits = self.run_forward(fb.as_decode_rows(self.model_config.dllm_block_size), graph_size)
+            return logits[fb.last_token_indices]  # the masked positions' rows
+        size = self.graph_size(fb) if graph_size is None else graph_size
+        if size:
+            if self.graph_runner is None:
+                raise RuntimeError("rank 0 runs this batch as a CPU graph and this rank has no graphs "
+                                   "(cpu_graph resolved differently on the ranks: RADIXRAY_CPU_GRAPHS?)")
+            # (one rank: the runner pads by its own ladder, as graph_size said)
+            forced = self.cpu_graphs and graph_size is not None
+            logits = self.graph_runner.replay(fb, size) if forced else self.graph_runner.replay(fb)
             if logits is not None:  # None: a CPU graph that failed to compile; eager below
                 return None if fb.forward_mode.is_idle() else logits
         fb.attn_metadata = self.attn_backend.init_forward_metadata(fb)

@@ -7,7 +7,8 @@ ColumnParallel / RowParallel linears, VocabParallelEmbedding and ParallelLMHead)
   (`shard_spec`: the slice of one tensor); `loader.read_rank_weights`: the same shards read
   slice by slice from a float safetensors checkpoint; `sharding.TPLoRAShards`: a rank's part
   of a LoRA adapter.
-- `comm.TPGroup`: the group's collectives on private process groups.
+- `comm.TPGroup`: the group's collectives on private process groups; `graph_ops`: the same as
+  opaque operators inside a CPU decode graph, bound to a group by an integer handle.
 - `ops`: the embedding, reduction and logits steps of a sharded forward."""
 
 from engine.tp.comm import TPGroup, make_store

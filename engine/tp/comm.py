@@ -10,11 +10,14 @@ the engine (never torch.distributed's default group, which other code in the pro
   collectives (under overlap scheduling both run at once; one group would see them in a
   different order on different ranks).
 
-A single-rank group creates no process group and every call returns at once."""
+A single-rank group creates no process group and every call returns at once. Bound to graph
+operators (`engine.tp.graph_ops.GraphCollectives`), a group traces its tensor collectives as
+those operators, so a compiled decode graph holds them (engine/cpu_graph.py)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -22,6 +25,8 @@ from urllib.parse import urlparse
 import msgspec
 import torch
 import torch.distributed as dist
+
+from engine.tp import graph_ops
 
 _HEADER = 8  # broadcast_object: payload length, little-endian, ahead of the payload
 
@@ -77,6 +82,9 @@ class TPGroup:
         self.cpu_pg: dist.ProcessGroup | None = None
         self._store: dist.Store | None = None
         self._destroyed = False
+        # The handle compiled graphs name this group by (graph_ops.GraphCollectives); None: unbound.
+        self.graph_handle: int | None = None
+        self._rendezvous_count = 0
         if tp_size == 1:
             return
         if (init_method is None) == (store is None):
@@ -127,6 +135,13 @@ class TPGroup:
         """Sum `x` over the ranks, in place (RowParallelLinear's reduction); returns `x`."""
         if self.tp_size == 1:
             return x
+        if self.graph_handle is not None and torch.compiler.is_compiling():
+            graph_ops.all_reduce_(x, self.graph_handle)  # an opaque node of the graph
+            return x
+        return self.all_reduce_now(x)
+
+    def all_reduce_now(self, x: torch.Tensor) -> torch.Tensor:
+        """`all_reduce` run now (what the graph operator calls)."""
         pg = self._group()
         if x.is_contiguous():
             self._wait(pg.allreduce([x]))
@@ -140,11 +155,18 @@ class TPGroup:
         logits); a new tensor."""
         if self.tp_size == 1:
             return x
-        pg = self._group()
+        if self.graph_handle is not None and torch.compiler.is_compiling():
+            stacked = graph_ops.all_gather(x, self.graph_handle, self.tp_size)
+            return torch.cat(stacked.unbind(0), dim=dim)
         x = x.contiguous()
-        outs = [torch.empty_like(x) for _ in range(self.tp_size)]
-        self._wait(pg.allgather([outs], [x]))
-        return torch.cat(outs, dim=dim)
+        outs = x.new_empty((self.tp_size, *x.shape))
+        self.all_gather_into(outs, x)
+        return torch.cat(outs.unbind(0), dim=dim)
+
+    def all_gather_into(self, out: torch.Tensor | Sequence[torch.Tensor], x: torch.Tensor) -> None:
+        """Rank r's `x` into `out[r]` (contiguous, x's shape and dtype), every rank's."""
+        pg = self._group()
+        self._wait(pg.allgather([list(out)], [x.contiguous()]))
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """`x` of rank `src` into every rank's `x` (same shape and dtype), in place."""
@@ -191,6 +213,19 @@ class TPGroup:
             self._broadcast(pg, rest, src)
             data += rest.numpy().tobytes()
         return msgspec.msgpack.decode(data, type=as_type)
+
+    def rendezvous(self, timeout_s: float) -> None:
+        """Every rank reaches this point, waiting up to `timeout_s` (not the group's timeout:
+        for steps whose length differs between ranks, like compiling a graph). Over the
+        store, so no process group's timeout applies; every rank calls it as often."""
+        if self.tp_size == 1:
+            return
+        if self._destroyed or self._store is None:
+            raise RuntimeError("TPGroup was destroyed")
+        n, self._rendezvous_count = self._rendezvous_count, self._rendezvous_count + 1
+        store = dist.PrefixStore(f"radixray-tp/rendezvous/{n}/", self._store)
+        store.set(str(self.tp_rank), "1")
+        store.wait([str(r) for r in range(self.tp_size)], timedelta(seconds=timeout_s))
 
     def barrier(self) -> None:
         """Every rank reaches this point (over the CPU group)."""

@@ -63,7 +63,9 @@ class TPWorker:
             t0 = time.perf_counter()
             if msg.kind == FORWARD:
                 apply_table(msg, table)
-                runner.run_forward(decode_batch(msg, device))
+                # The CPU graph size rank 0 runs it with (0: eagerly): every rank's collectives
+                # then have the same shapes.
+                runner.run_forward(decode_batch(msg, device), msg.graph_size)
             elif msg.kind == SPLIT:
                 if msg.input_ids is not None:  # its first slice: the batch itself
                     apply_table(msg, table)
@@ -80,6 +82,7 @@ class TPWorker:
             self.steps += 1
 
     def close(self) -> None:
+        self.runner.close()  # (its graphs' binding to the group, then the group)
         self.group.destroy()
 
 
