@@ -220,3 +220,22 @@ def test_no_rows_looked_up(fmt):
     """An embedding lookup of no ids (an IDLE batch under attention-DP) is [0, K]."""
     w = make_weight(fmt, 16, 64, torch.Generator().manual_seed(8))
     assert w.dequantize_rows(torch.zeros(0, dtype=torch.long)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "int8", "q8_0", "q6_k", "q8_g48"])
+@pytest.mark.parametrize("k", [192, 288, 384, 480, 1536])
+def test_every_block_count_is_row_invariant_and_accurate(fmt, k):
+    """Block counts 6, 9, 12, 15 and 48 span how the kernel packs a row's blocks into vectors
+    (whole and padded groups of 2 and 4 blocks): a row gives the same bits alone as inside batches of
+    2, 5, 17 and 32 rows, for an odd column count, with and without biases, within the bound."""
+    gen = torch.Generator().manual_seed(k)
+    w = make_weight(fmt, 37, k, gen)
+    probe = torch.randn(1, k, generator=gen)
+    alone = run(probe, w)[0]
+    for m in (2, 5, 17, 32):
+        x = torch.randn(m, k, generator=gen)
+        at = m // 2
+        x[at] = probe[0]
+        y = run(x, w)
+        assert torch.equal(y[at], alone), (m, at)
+        check_against_reference(y, x, w)
