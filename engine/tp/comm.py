@@ -26,7 +26,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.tp import graph_ops
+from engine.tp.graph_ops import all_gather, all_reduce_
 
 _HEADER = 8  # broadcast_object: payload length, little-endian, ahead of the payload
 
@@ -136,7 +136,7 @@ class TPGroup:
         if self.tp_size == 1:
             return x
         if self.graph_handle is not None and torch.compiler.is_compiling():
-            graph_ops.all_reduce_(x, self.graph_handle)  # an opaque node of the graph
+            all_reduce_(x, self.graph_handle)  # an opaque node of the graph
             return x
         return self.all_reduce_now(x)
 
@@ -156,7 +156,7 @@ class TPGroup:
         if self.tp_size == 1:
             return x
         if self.graph_handle is not None and torch.compiler.is_compiling():
-            stacked = graph_ops.all_gather(x, self.graph_handle, self.tp_size)
+            stacked = all_gather(x, self.graph_handle, self.tp_size)
             return torch.cat(stacked.unbind(0), dim=dim)
         x = x.contiguous()
         outs = x.new_empty((self.tp_size, *x.shape))

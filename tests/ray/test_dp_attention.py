@@ -31,6 +31,7 @@ from tests.helpers import finals_after
 from tests.ray.conftest import take_down_engine_0
 
 pytestmark = pytest.mark.ray
+TIE = 1e-3  # logprob gap under which float summation order may pick either token
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 # The stall bound of the "stories" group (its stall test waits it out; the default is 30 s).
 STALL_S = 6.0
@@ -89,6 +90,18 @@ def mode_diff(after, before, mode: str) -> list[int]:
     return [a.engine.batches_by_mode[mode] - b.engine.batches_by_mode[mode] for a, b in zip(after, before)]
 
 
+def assert_greedy_agrees(got: list[int], want) -> None:
+    """The group's greedy tokens are the single engine's, or they part where the reference's two
+    best tokens are within TIE of each other, and the group took the second: the group sums each
+    MLP's halves over its members, in another order than one engine, which can only decide a
+    near-tie the other way (quantized weights' random models have some)."""
+    if got == want.token_ids:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got, want.token_ids)) if a != b)
+    (_, first), (second_id, second) = want.logprobs[i].top_logprobs[:2]
+    assert first - second < TIE and got[i] == second_id, (i, got, want.token_ids, want.logprobs[i])
+
+
 @pytest.mark.parametrize("name", ["llama-int4", "qwen3", "llama", "stories"])  # llama's serves the next test too
 def test_group_matches_single_engine(clusters, single, name):
     cl = clusters.get(name)
@@ -96,12 +109,13 @@ def test_group_matches_single_engine(clusters, single, name):
     engine = single(cl.config.model_path) if quantization is None else Engine(
         model_path=cl.config.model_path, quantization=quantization)
     ids = prompts_for(engine.model_config.vocab_size, 6, seed=11)
-    ref = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    ref = engine.generate(input_ids=ids, sampling_params=msgspec.structs.replace(GREEDY, logprobs=True, top_logprobs=2))
     before = cl.stats()
     both = cl.generate(input_ids=ids, sampling_params=GREEDY)  # round robin: both members busy
-    assert [o.token_ids for o in both] == [r.token_ids for r in ref]
+    for got, want in zip(both, ref):
+        assert_greedy_agrees(got.token_ids, want)
     one = cl.generate(input_ids=ids[0], sampling_params=GREEDY)  # one member only
-    assert one.token_ids == ref[0].token_ids
+    assert_greedy_agrees(one.token_ids, ref[0])
     after = cl.stats()
     assert sum(mode_diff(after.engines, before.engines, "IDLE")) > 0
     assert [e.dp_group for e in after.engines] == [0, 0]
