@@ -71,8 +71,12 @@ class LlamaForCausalLM(CausalLM):
 
     def make_mlp(self, w: Weights, p: str, mlp_shard: tuple[int, int], linear: LinearKind) -> MLP:
         """The MLP slot of layer prefix `p`."""
-        return GatedMLP(w.linear(p + "mlp.gate_proj.weight"), w.linear(p + "mlp.up_proj.weight"),
-                        w.linear(p + "mlp.down_proj.weight"), mlp_shard, linear)
+        down = w.linear(p + "mlp.down_proj.weight")
+        if mlp_shard[1] > 1 and isinstance(down, QuantWeight) and down.perm is not None:
+            # act-order's groups are spread over every member's slice of the input: held as float
+            down = w(p + "mlp.down_proj.weight")
+        return GatedMLP(w.linear(p + "mlp.gate_proj.weight"), w.linear(p + "mlp.up_proj.weight"), down, mlp_shard,
+                        linear)
 
     def attach_lora(self, weights: Callable[[int, str], LoRAWeights | None]) -> None:
         """Give each layer's projections their LoRA slots: `weights(layer, group)` for the groups

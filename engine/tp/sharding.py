@@ -102,6 +102,10 @@ def _rows(w: Weight, lo: int, hi: int) -> Weight:
 
 
 def _cols(w: Weight, lo: int, hi: int, name: str) -> Weight:
+    if isinstance(w, QuantWeight) and w.perm is not None:
+        # act-order's groups are spread over every rank's slice of the input: this rank's slice
+        # as float (the model's dtype once loaded)
+        return _own(w.dequantize()[:, lo:hi])
     if isinstance(w, QuantWeight):
         try:
             return _own_quant(w.select_cols(lo, hi))

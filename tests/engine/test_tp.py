@@ -17,6 +17,7 @@ import multiprocessing as mp
 import queue
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -33,6 +34,7 @@ from engine.builtin_model import (
 from engine.errors import ConfigError
 from engine.tp import TPGroup, rank_weight_bytes
 from engine.tp.worker import rank0_engine
+from kernels.quant import QuantLinear
 from tests.conftest import free_port
 from tests.helpers import run_staggered
 
@@ -267,3 +269,25 @@ def test_tp_needs_a_group(models: dict[str, str]) -> None:
         from engine.model_runner import ModelRunner
 
         ModelRunner(config(models["mha_tied"], tp_size=2), models["mha_tied"], tp_group=TPGroup(0, 1))
+
+
+def test_act_order_gptq_matches_one_rank(gang: Gang, tmp_path: Path) -> None:
+    """An act-order GPTQ checkpoint (kept quantized on one rank) under tp_size=2: its groups are
+    spread over every rank's slice of the row-parallel inputs, so those shards are held as float;
+    the tokens are one rank's."""
+    from tests.engine.test_quant_checkpoints import build
+
+    cfg, tensors, _ = build("gptq_act")
+    path = write_checkpoint(str(tmp_path / "gptq_act"), cfg, tensors)
+    ref = Engine(config(path))
+    want_ids, _ = workload(ref)
+    ref.shutdown()
+    tp = gang.engine(config(path, tp_size=2))
+    try:
+        got_ids, _ = workload(tp)
+        layer = tp.model_runner.model.layers[0]
+        assert isinstance(layer.attn.qkv_proj, QuantLinear)  # column-parallel: still quantized
+        tp.check_memory()
+    finally:
+        gang.stop(tp)
+    assert got_ids == want_ids
