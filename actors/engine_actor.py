@@ -297,7 +297,8 @@ class EngineActor:
             return LoRAAdapters()
         with self.engine.between_steps():
             names = lora.names()
-            runtime = [(n, path, pinned) for n, (path, pinned) in self._runtime_loras.items() if n in names]
+            # (a copy taken at once: loads and unloads change the dict on other threads)
+            runtime = [(n, path, pinned) for n, (path, pinned) in list(self._runtime_loras.items()) if n in names]
             return LoRAAdapters(names, lora.resident(), lora.max_loaded_loras, runtime)
 
     async def lora_adapters(self) -> bytes:
@@ -307,7 +308,16 @@ class EngineActor:
     def _lora_update(self, op: str, name: str, path: str = "", pinned: bool = False) -> LoRAUpdate:
         try:
             if op == "load":
-                self.engine.load_lora_adapter(name, path, pinned)
+                # Recorded first, so no report lists the adapter without its folder (a report
+                # lists only served names); forgotten again if the load fails.
+                known = name in self._runtime_loras
+                self._runtime_loras.setdefault(name, (path, pinned))
+                try:
+                    self.engine.load_lora_adapter(name, path, pinned)
+                except BaseException:
+                    if not known:
+                        self._runtime_loras.pop(name, None)
+                    raise
                 self._runtime_loras[name] = (path, pinned)
                 return LoRAUpdate(self._lora_adapters())
             gone = self.engine.unload_lora_adapter(name)

@@ -992,8 +992,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="churn: open loop, requests arriving at this rate (Poisson, per second); default: closed loop")
     ap.add_argument("--hicache-ratio", type=float, default=None,
                     help="churn: give every engine a host KV tier of this many times its pool (e.g. 4); default: none")
-    ap.add_argument("--churn-plot", default="docs/images/churn_tiers_ttft.png",
-                    help="churn with --hicache-ratio: where to write the TTFT distributions' PNG (matplotlib); '' for none")
+    ap.add_argument("--churn-plot", default="",
+                    help="churn with --hicache-ratio: where to write the TTFT distributions' PNG (matplotlib; "
+                    "docs/images/churn_tiers_ttft.png is the one docs/BENCHMARKS.md shows); default: none")
     ap.add_argument("--ingress", default="proxy,direct,haproxy",
                     help="frontend: the ingress modes to compare, in this order (deploy/ingress.py)")
     ap.add_argument("--stream-interval-s", type=float, default=None,

@@ -173,14 +173,20 @@ class Cluster:
 
     async def _fleet_runtime_loras(self, idx: int) -> list[tuple[str, str, bool]]:
         """The adapters the other live engines report loaded at run time (asked now, so an
-        adapter unloaded meanwhile is not loaded again); an engine that does not answer within
-        LORA_REPORT_TIMEOUT_S adds none."""
+        adapter unloaded meanwhile is not loaded again); the engines that do not answer within
+        LORA_REPORT_TIMEOUT_S (for all of them) add none."""
         with self._lock:
             others = [e.actor for i, e in enumerate(self.engines) if i != idx and not e.retired]
+        refs = [asyncio.ensure_future(actor.lora_adapters.remote()) for actor in others]
+        if not refs:
+            return []
+        done, pending = await asyncio.wait(refs, timeout=LORA_REPORT_TIMEOUT_S)
+        for fut in pending:
+            fut.cancel()
         found: list[tuple[str, str, bool]] = []
-        for ref in [actor.lora_adapters.remote() for actor in others]:
+        for fut in done:
             with contextlib.suppress(Exception):
-                found += decode_lora_adapters(await asyncio.wait_for(ref, LORA_REPORT_TIMEOUT_S)).runtime
+                found += decode_lora_adapters(fut.result()).runtime
         return found
 
     def _take_adapters(self, idx: int, adapters: LoRAAdapters) -> None:

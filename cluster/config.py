@@ -99,6 +99,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise ConfigError(f"tp_placement_strategy {self.tp_placement_strategy!r} is not a Ray strategy")
         if self.tp_size > 1 and self.enable_dp_attention:
             raise ConfigError("tp_size > 1 with enable_dp_attention is not supported yet")
+        lora = self.engine.get("enable_lora") or self.engine.get("lora_paths")
+        if lora and self.tp_size > 1 and self.tp_placement_strategy != "STRICT_PACK":
+            # every rank reads an adapter's folder itself, so they must see the same files
+            raise ConfigError("LoRA adapters with tp_size > 1 need tp_placement_strategy='STRICT_PACK' "
+                              "(the ranks on one node)")
         if not self.dp_stall_timeout_s > 0:
             raise ConfigError(f"dp_stall_timeout_s must be > 0, got {self.dp_stall_timeout_s!r}")
         for key in ENGINE_OWN_FIELDS:

@@ -98,7 +98,7 @@ class PrefixCache(Protocol):
 
     def evict(self, num_tokens: int) -> int:
         """Free at least num_tokens slots of unlocked entries to the allocator, in the eviction
-        policy's order (LRU by default)."""
+        policy's order (`radix_eviction_policy`)."""
 
     def evictable_size(self) -> int: ...
 

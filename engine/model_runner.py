@@ -133,6 +133,9 @@ class ModelRunner:
         per_token = self.layout.kv_bytes_per_token(cfg.num_hidden_layers, self.dtype)
         self.max_total_tokens = config.max_total_tokens or self._default_pool_size(per_token)
         cpu_graphs = self.device.type == "cpu" and cpu_graphs_enabled(config, self.dtype)
+        # Under TP only when asked for: every rank compiles every size at start, and the gloo
+        # collectives, not the Python around the kernels, bound a step there.
+        cpu_graphs = cpu_graphs and (self.tp_size == 1 or config.cpu_graph == "on")
         if self.tp_size > 1:  # every rank must have every slot rank 0 hands out
             # (and CPU graphs on every rank or on none: "auto" may read each process's environment)
             agreed = self.tp_group.all_gather(

@@ -321,8 +321,9 @@ class LoRAManager:
         nothing: safe off the step thread, so a run-time load reads its files while steps run."""
         return self._read(name, path)
 
-    def load_adapter(self, name: str, path: str, pinned: bool = False,
-                     adapter: LoRAAdapter | None = None) -> LoRAAdapter:
+    def load_adapter(
+        self, name: str, path: str, pinned: bool = False, adapter: LoRAAdapter | None = None
+    ) -> LoRAAdapter:
         """Read, validate and keep adapter `name` (LoRAAdapterError on a bad adapter, an existing
         name, no host room or too many pinned ones; nothing changes then). `adapter`: already
         read from `path` (`read`)."""

@@ -92,7 +92,9 @@ def _own(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _own_quant(w: QuantWeight) -> QuantWeight:
-    return QuantWeight(_own(w.qweight), _own(w.scales), _own(w.biases), w.bits, w.group_size, _own(w.perm))
+    return QuantWeight(
+        _own(w.qweight), _own(w.scales), _own(w.biases), w.bits, w.group_size, _own(w.perm)
+    )
 
 
 def _rows(w: Weight, lo: int, hi: int) -> Weight:
@@ -128,7 +130,9 @@ def pad_rows(w: Weight, rows: int) -> Weight:
         def pad(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
 
-        return QuantWeight(pad(w.qweight), pad(w.scales), pad(w.biases), w.bits, w.group_size, w.perm)
+        return QuantWeight(
+            pad(w.qweight), pad(w.scales), pad(w.biases), w.bits, w.group_size, w.perm
+        )
     return torch.cat([w, w.new_zeros(extra, *w.shape[1:])])
 
 

@@ -32,3 +32,15 @@ def test_mapping_flags_take_pairs_whose_text_values_stay_text():
     assert parse_mapping("a=/x/a,b=true c=12") == {"a": "/x/a", "b": "true", "c": 12}
     assert parse_mapping('{"load_weight": 0.2}') == {"load_weight": 0.2}
     assert parse_mapping("load_weight=0.2") == {"load_weight": 0.2}
+
+
+def test_lora_under_tp_keeps_the_ranks_on_one_node():
+    """Every rank reads an adapter's folder itself: a placement that may spread the ranks over
+    nodes is refused with LoRA on."""
+    from cluster.config import ClusterConfig
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="STRICT_PACK"):
+        ClusterConfig(model_path="m", tp_size=2, tp_placement_strategy="SPREAD", engine={"enable_lora": True})
+    ClusterConfig(model_path="m", tp_size=2, engine={"enable_lora": True})
+    ClusterConfig(model_path="m", tp_size=2, tp_placement_strategy="SPREAD")  # no adapters: any placement

@@ -39,14 +39,20 @@ def test_an_engine_loads_the_prefix_another_engine_wrote(ray_local, model_dirs):
     with Cluster(cfg) as cl:
         want = run_on(cl, 0, prompt, 6)
         actor = ray.get_actor(f"radixray-hicache-{store}", namespace=STORE_NAMESPACE)
-        deadline = time.monotonic() + 30
-        while ray.get(actor.stats.remote())["pages"] < 3:  # write-through runs beside the forward
-            assert time.monotonic() < deadline, "the first engine never wrote its pages to the store"
-            time.sleep(0.05)
-        assert run_on(cl, 1, prompt, 6) == want
-        stats = [s.engine for s in cl.stats().engines]
-        assert stats[1].hicache.storage.hit_tokens == 3 * PAGE  # the tail is computed
-        assert stats[1].cached_tokens == 3 * PAGE and stats[0].cached_tokens == 0
-        assert stats[1].hicache.storage_pages_corrupt == 0
-        cl.check_memory()
-    ray.kill(actor)
+        try:
+            _check_the_second_engine(cl, actor, prompt, want)
+        finally:
+            ray.kill(actor)  # detached: it would outlive the test
+
+
+def _check_the_second_engine(cl: Cluster, actor, prompt: list[int], want: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while ray.get(actor.stats.remote())["pages"] < 3:  # write-through runs beside the forward
+        assert time.monotonic() < deadline, "the first engine never wrote its pages to the store"
+        time.sleep(0.05)
+    assert run_on(cl, 1, prompt, 6) == want
+    stats = [s.engine for s in cl.stats().engines]
+    assert stats[1].hicache.storage.hit_tokens == 3 * PAGE  # the tail is computed
+    assert stats[1].cached_tokens == 3 * PAGE and stats[0].cached_tokens == 0
+    assert stats[1].hicache.storage_pages_corrupt == 0
+    cl.check_memory()
