@@ -14,12 +14,10 @@ LOGPROB_ATOL_QUANTIZED with int8 weights."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 
@@ -33,10 +31,9 @@ from engine.builtin_model import (
 )
 from engine.errors import ConfigError
 from engine.tp import TPGroup, rank_weight_bytes
-from engine.tp.worker import rank0_engine
 from kernels.quant import QuantLinear
-from tests.conftest import free_port
 from tests.helpers import run_staggered
+from tests.tp_gang import Gang, gang_of
 
 LOGPROB_ATOL = 1e-4
 # int8 weights: the quantized GEMM rounds its activations per 32-element block, and a sharded
@@ -123,43 +120,16 @@ def _rank1(jobs: mp.Queue, results: mp.Queue) -> None:
 
     while (job := jobs.get()) is not None:
         try:
-            results.put(("ok", run_worker(*job)))
+            kwargs, init = job
+            results.put(("ok", run_worker(kwargs, 1, init, 60.0)))
         except Exception:
             results.put(("error", traceback.format_exc()))
 
 
-class Gang:
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.jobs, self.results = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_rank1, args=(self.jobs, self.results), daemon=True)
-        self.proc.start()
-
-    def engine(self, config: EngineConfig) -> Engine:
-        init = f"tcp://127.0.0.1:{free_port()}"
-        self.jobs.put((msgspec.structs.asdict(config), 1, init, 60.0))
-        return rank0_engine(config, init, timeout_s=60.0)
-
-    def stop(self, engine: Engine) -> int:
-        """Shut the engine down and stop rank 1; the steps rank 1 ran."""
-        engine.shutdown()  # and rank 1's loop, by the STOP message
-        try:
-            status, value = self.results.get(timeout=60)
-        except queue.Empty:
-            raise AssertionError("rank 1 did not end") from None
-        assert status == "ok", value
-        return value
-
-
 @pytest.fixture(scope="module")
 def gang() -> Iterator[Gang]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two ranks on two cores
-    g = Gang()
-    yield g
-    g.jobs.put(None)
-    g.proc.join(30)
-    torch.set_num_threads(threads)
+    with gang_of(_rank1) as g:
+        yield g
 
 
 @pytest.fixture(scope="module")

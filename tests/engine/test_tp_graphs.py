@@ -12,12 +12,10 @@ of 5 runs eagerly on both ranks."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import traceback
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import pytest
 import torch
 
@@ -31,10 +29,9 @@ from engine.builtin_model import (
 from engine.cpu_graph import CpuGraphRunner
 from engine.forward_batch import ForwardMode
 from engine.tp import graph_ops
-from engine.tp.worker import rank0_engine
 from kernels import cpu_kernels
-from tests.conftest import free_port
 from tests.helpers import run_staggered
+from tests.tp_gang import Gang, gang_of
 
 pytestmark = [
     pytest.mark.skipif(
@@ -120,38 +117,10 @@ def _failing_compile(fn: Any, **kwargs: Any) -> Any:
     return compiled
 
 
-class Gang:
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.jobs, self.results = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_rank1, args=(self.jobs, self.results), daemon=True)
-        self.proc.start()
-
-    def engine(self, config: EngineConfig, fail_sizes: tuple[int, ...] = ()) -> Engine:
-        init = f"tcp://127.0.0.1:{free_port()}"
-        self.jobs.put((msgspec.structs.asdict(config), init, fail_sizes))
-        return rank0_engine(config, init, timeout_s=60.0)
-
-    def stop(self, engine: Engine) -> dict[str, Any]:
-        """Shut the engine down and stop rank 1; rank 1's counters."""
-        engine.shutdown()  # and rank 1's loop, by the STOP message
-        try:
-            status, value = self.results.get(timeout=120)
-        except queue.Empty:
-            raise AssertionError("rank 1 did not end") from None
-        assert status == "ok", value
-        return value
-
-
 @pytest.fixture(scope="module")
 def gang() -> Iterator[Gang]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two ranks on two cores
-    g = Gang()
-    yield g
-    g.jobs.put(None)
-    g.proc.join(30)
-    torch.set_num_threads(threads)
+    with gang_of(_rank1) as g:
+        yield g
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import queue
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -39,8 +37,7 @@ from engine.lora import TARGET_MODULES, LoRAConfig, LoRAManager, LoRAModule, LoR
 from engine.lora.adapter import target_shapes, target_weight_name
 from engine.tp.layout import TPLayout
 from engine.tp.sharding import TPLoRAShards, shard_tensor
-from engine.tp.worker import rank0_engine
-from tests.conftest import free_port
+from tests.tp_gang import Gang, gang_of
 
 BASE = dict(
     hidden_size=64,
@@ -140,44 +137,20 @@ def _rank1(jobs: mp.Queue, results: mp.Queue) -> None:
                 group.destroy()
 
 
-class Gang:
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.jobs, self.results = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_rank1, args=(self.jobs, self.results), daemon=True)
-        self.proc.start()
-
-    def engine(self, config: EngineConfig) -> Engine:
-        init = f"tcp://127.0.0.1:{free_port()}"
-        self.jobs.put((msgspec.structs.asdict(config), init))
-        return rank0_engine(config, init, timeout_s=60.0)
-
-    def stop(self, engine: Engine) -> tuple[int, dict[int, int], list[int]]:
-        """Shut the engine down (rank 1 leaves on STOP, with the last slot changes); rank 1's
-        steps, slots (slot -> adapter id) and adapters in host memory (ids). Rank 0's slots must
-        be rank 1's."""
-        engine.shutdown()
-        try:
-            status, value = self.results.get(timeout=60)
-        except queue.Empty:
-            raise AssertionError("rank 1 did not end") from None
-        assert status == "ok", value
-        steps, slots, resident = value
-        lora = engine.model_runner.lora_manager
-        assert slots == lora.slot_ids()
-        assert set(resident) <= {lora.adapter_id(n) for n in lora.resident()}
-        return steps, slots, resident
+def stop(gang: Gang, engine: Engine) -> tuple[int, dict[int, int], list[int]]:
+    """Shut the engine down (rank 1 leaves on STOP, with the last slot changes); rank 1's steps,
+    slots (slot -> adapter id) and adapters in host memory (ids). Rank 0's slots must be rank 1's."""
+    steps, slots, resident = gang.stop(engine, timeout_s=60)
+    lora = engine.model_runner.lora_manager
+    assert slots == lora.slot_ids()
+    assert set(resident) <= {lora.adapter_id(n) for n in lora.resident()}
+    return steps, slots, resident
 
 
 @pytest.fixture(scope="module")
 def gang() -> Iterator[Gang]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # two ranks on two cores
-    g = Gang()
-    yield g
-    g.jobs.put(None)
-    g.proc.join(30)
-    torch.set_num_threads(threads)
+    with gang_of(_rank1) as g:
+        yield g
 
 
 def prompts() -> list[list[int]]:
@@ -243,7 +216,7 @@ def test_adapters_match_one_rank(
         loads, reloads = lora.slot_loads, lora.host_reloads
         batches = tp.stats().batches_by_mode
     finally:
-        gang.stop(tp)
+        stop(gang, tp)
     assert got == want
     if slots < len(folders):
         assert loads > len(folders) and reloads > 0  # slots (and host memory) were reused
@@ -303,7 +276,7 @@ def test_load_unload_at_run_time(gang: Gang, models: dict) -> None:
         lora = tp.model_runner.lora_manager
         assert lora.active() == set() and lora.slot_ids() == {} and lora.resident() == []
     finally:
-        _, slots, resident = gang.stop(tp)
+        _, slots, resident = stop(gang, tp)
     assert slots == {} and resident == []  # rank 1 dropped them too
 
 
