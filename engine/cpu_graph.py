@@ -42,6 +42,7 @@ from engine.cuda_graph import PaddedDecode, capture_ladder, padded_size
 from engine.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
     from engine.tp.graph_ops import GraphCollectives
 
 log = logging.getLogger("radixray.engine")
@@ -61,7 +62,7 @@ class CpuGraphRunner:
     """The compiled decode forwards of one ModelRunner. `collectives`: the runner's TPGroup bound
     to the graph operators (tensor parallelism), None on one rank."""
 
-    def __init__(self, model_runner, max_bs: int, collectives: GraphCollectives | None = None) -> None:
+    def __init__(self, model_runner: ModelRunner, max_bs: int, collectives: GraphCollectives | None = None) -> None:
         if model_runner.device.type != "cpu":
             raise RuntimeError("CPU decode graphs run on the CPU")
         self.runner = model_runner
