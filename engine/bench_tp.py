@@ -8,7 +8,6 @@ step times a small-message NCCL all-reduce latency on NVLink."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
 import socket
 
@@ -19,8 +18,6 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.bench_common import random_prompts
 
 BATCHES = (1, 8, 32)
-# RADIXRAY_BENCH_CPU_GRAPH=on: both engines run CPU decode graphs (compiled at start-up).
-CPU_GRAPH = os.environ.get("RADIXRAY_BENCH_CPU_GRAPH", "off")
 # A small-message NCCL all-reduce between two GPUs over NVLink: of the order of 10 us (latency
 # bound; nccl-tests' published figures for 8 B to 64 KiB on H100 NVLink). An estimate.
 NVLINK_ALL_REDUCE_S = 10e-6
@@ -73,14 +70,20 @@ def _decode_rate(
 
 
 def case_tp(path: str, scale: float) -> None:
-    """TP=2 over two CPU ranks vs one rank of two threads (see the module docstring)."""
+    """TP=2 over two CPU ranks vs one rank of two threads (see the module docstring), eagerly and
+    with CPU decode graphs (compiled at start-up), side by side."""
+    for cpu_graph in ("off", "on"):
+        _run_tp(path, scale, cpu_graph)
+
+
+def _run_tp(path: str, scale: float, cpu_graph: str) -> None:
     out_len = max(16, int(64 * scale))
     base = dict(
         model_path=path,
         device="cpu",
         max_total_tokens=16384,
         max_running_requests=max(BATCHES),
-        cpu_graph=CPU_GRAPH,
+        cpu_graph=cpu_graph,
     )
     threads = torch.get_num_threads()
     one = Engine(**base, torch_threads=2)
@@ -111,7 +114,7 @@ def case_tp(path: str, scale: float) -> None:
             rate, per_step = _decode_rate(tp, bs, out_len, rng)
             estimate = per_step["calls"] * NVLINK_ALL_REDUCE_S
             print(
-                f"tp         graphs={CPU_GRAPH} bs={bs:<3} one rank x2 threads={rates_one[bs]:,.1f} tok/s  "
+                f"tp         graphs={cpu_graph} bs={bs:<3} one rank x2 threads={rates_one[bs]:,.1f} tok/s  "
                 f"tp=2 x1 thread={rate:,.1f} tok/s  ratio={rate / rates_one[bs]:.2f}x  "
                 f"collectives={per_step['collective_s'] * 1e3:.2f} ms/step ({per_step['calls']:.0f} calls, "
                 f"{layers} layers)  broadcast={per_step['object_s'] * 1e3:.2f} ms/step  "
@@ -123,15 +126,3 @@ def case_tp(path: str, scale: float) -> None:
         proc.join(30)
         torch.set_num_threads(threads)
 
-
-if (
-    __name__ == "__main__"
-):  # python -m engine.bench_tp [path] [scale]: until engine.bench registers it
-    import sys
-
-    from engine.builtin_model import builtin_model_path
-
-    case_tp(
-        sys.argv[1] if len(sys.argv) > 1 else builtin_model_path(),
-        float(sys.argv[2]) if len(sys.argv) > 2 else 1.0,
-    )
