@@ -498,6 +498,21 @@ inline void store512(__m512 (&acc)[R][C], float* y, int64_t ldy, int64_t ncols) 
     }
 }
 
+// Per 16 groups, acc = fma(bias, gs, acc) for every column's biases (if any), then store512.
+template <int R, int C>
+inline void bias_and_store512(__m512 (&acc)[R][C], const ColTab& t, const float* gs, int64_t ngp, float* y,
+                              int64_t ldy, int64_t ncols) {
+  if (t.bi != nullptr)
+    for (int64_t g = 0; g < ngp; g += 16)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m512 bv = _mm512_loadu_ps(t.bi + c * ngp + g);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(gs + r * ngp + g), acc[r][c]);
+      }
+  store512<R, C>(acc, y, ldy, ncols);
+}
+
 // 8-bit codes, R rows x C columns over a row's groups of blocks (x in the group layout; each
 // column's scales per block in order, or for S16 per group at 2 b0 + h g + b for half h of block
 // b0 + b).
@@ -521,15 +536,7 @@ void tile512(const ColTab& t, const int16_t* xq, const float* dx, const float* g
   int64_t b0 = 0;
   for (; b0 < nb / 4 * 4; b0 += 4) group_step<S16, R, C, 4>(acc, t, xq, ldx, dx, ldd, b0, 4);
   for (; b0 < nb; b0 += 2) group_step<S16, R, C, 2>(acc, t, xq, ldx, dx, ldd, b0, std::min<int64_t>(2, nb - b0));
-  if (t.bi != nullptr)
-    for (int64_t g = 0; g < ngp; g += 16)
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        const __m512 bv = _mm512_loadu_ps(t.bi + c * ngp + g);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(gs + r * ngp + g), acc[r][c]);
-      }
-  store512<R, C>(acc, y, ldy, ncols);
+  bias_and_store512<R, C>(acc, t, gs, ngp, y, ldy, ncols);
 }
 #endif
 
@@ -604,15 +611,7 @@ void tile4l(const ColTab& t, const int16_t* xq, const float* dx, const float* gs
       }
     }
   }
-  if (t.bi != nullptr)
-    for (int64_t g = 0; g < ngp; g += 16)
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) {
-        const __m512 bv = _mm512_loadu_ps(t.bi + c * ngp + g);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(gs + r * ngp + g), acc[r][c]);
-      }
-  store512<R, C>(acc, y, ldy, ncols);
+  bias_and_store512<R, C>(acc, t, gs, ngp, y, ldy, ncols);
 }
 #endif
 
