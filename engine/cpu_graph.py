@@ -123,10 +123,10 @@ class CpuGraphRunner:
 
     @torch.inference_mode()
     def replay(self, fb: ForwardBatch, size: int | None = None) -> torch.Tensor | None:
-        """Logits [bs, vocab] of the batch, run padded to `size` (default: its ladder size), or
-        None if that size failed to compile (the caller then runs it eagerly). Under tensor
-        parallelism `size` is rank 0's choice and never None: a size that failed here runs
-        padded eagerly instead, as the other ranks' graphs run it."""
+        """Logits [bs, vocab] of the batch, run padded to `size` (the model runner's choice,
+        rank 0's under tensor parallelism; default: its ladder size), or None if that size failed
+        to compile (the caller then runs it eagerly). Under tensor parallelism a size that failed
+        here runs padded eagerly instead, as the other ranks' graphs run it."""
         bs = fb.batch_size
         size = size or padded_size(max(bs, 1), self.ladder)
         if size < bs or size not in self.ladder:

@@ -414,9 +414,8 @@ class ModelRunner:
             if self.graph_runner is None:
                 raise RuntimeError("rank 0 runs this batch as a CPU graph and this rank has no graphs "
                                    "(cpu_graph resolved differently on the ranks: RADIXRAY_CPU_GRAPHS?)")
-            # (one rank: the runner pads by its own ladder, as graph_size said)
-            forced = self.cpu_graphs and graph_size is not None
-            logits = self.graph_runner.replay(fb, size) if forced else self.graph_runner.replay(fb)
+            # (a CUDA graph runner pads by its own ladder)
+            logits = self.graph_runner.replay(fb, size) if self.cpu_graphs else self.graph_runner.replay(fb)
             if logits is not None:  # None: a CPU graph that failed to compile; eager below
                 return None if fb.forward_mode.is_idle() else logits
         fb.attn_metadata = self.attn_backend.init_forward_metadata(fb)

@@ -78,10 +78,10 @@ def test_verify_batches_replay_the_decode_graphs(model_dirs, hf):
     runner, replayed_rows, verifying = eng.model_runner, [], []
     replay, forward_and_verify = runner.graph_runner.replay, runner.forward_and_verify
 
-    def record_replay(fb):
+    def record_replay(fb, size=None):
         if verifying:
             replayed_rows.append(fb.batch_size)
-        return replay(fb)
+        return replay(fb, size)
 
     def record_verify(fb, reqs, drafts):
         verifying.append(True)
