@@ -9,12 +9,21 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine import Engine, SamplingParams, StreamDelta
+from engine.builtin_model import byte_level_tokenizer, random_llama_weights, write_checkpoint
 from engine.engine import collect_output
 
 if TYPE_CHECKING:
     from cluster import Cluster
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def write_random_models(root, configs: dict[str, dict], seed: int) -> dict[str, str]:
+    """name -> a checkpoint folder under `root` of that config's random weights (std 0.15: peaked
+    logits, so float rounding never decides a greedy tie) and the byte-level tokenizer."""
+    return {name: write_checkpoint(str(root / name), cfg, random_llama_weights(cfg, seed=seed, std=0.15),
+                                   byte_level_tokenizer())
+            for name, cfg in configs.items()}
 
 
 def prompts(engine: Engine, n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:

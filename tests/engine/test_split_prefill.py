@@ -11,14 +11,12 @@ import pytest
 
 from engine import Engine, SamplingParams
 from engine.builtin_model import (
-    byte_level_tokenizer,
     llama_config,
     moe_config,
-    random_llama_weights,
-    write_checkpoint,
 )
 from engine.engine import collect_output
 from engine.schedule_batch import ScheduleBatch
+from tests.helpers import write_random_models
 
 # Four layers (a split runs 1 to 3 of them per step), tiny widths: fast.
 TINY = dict(
@@ -35,19 +33,11 @@ SPLIT = dict(enable_split_prefill=True, split_forward_token_budget=96)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("split")
-    out = {}
-    for name, cfg in {
+    configs = {
         "llama": llama_config(**TINY),
         "moe": moe_config(**TINY, head_dim=16, moe_intermediate_size=32, num_experts=4),
-    }.items():
-        out[name] = write_checkpoint(
-            str(root / name),
-            cfg,
-            random_llama_weights(cfg, seed=3, std=0.15),
-            byte_level_tokenizer(),
-        )
-    return out
+    }
+    return write_random_models(tmp_path_factory.mktemp("split"), configs, seed=3)
 
 
 def random_ids(

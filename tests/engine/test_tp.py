@@ -23,16 +23,15 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.builtin_model import (
-    byte_level_tokenizer,
     llama_config,
     moe_config,
-    random_llama_weights,
     write_checkpoint,
 )
 from engine.errors import ConfigError
 from engine.tp import TPGroup, rank_weight_bytes
 from kernels.quant import QuantLinear
-from tests.helpers import run_staggered
+from tests.helpers import run_staggered, write_random_models
+from tests.quant_checkpoints import build
 from tests.tp_gang import Gang, gang_of
 
 LOGPROB_ATOL = 1e-4
@@ -134,16 +133,7 @@ def gang() -> Iterator[Gang]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tp_models")
-    return {
-        name: write_checkpoint(
-            str(root / name),
-            cfg,
-            random_llama_weights(cfg, seed=1, std=0.15),
-            byte_level_tokenizer(),
-        )
-        for name, cfg in CASES.items()
-    }
+    return write_random_models(tmp_path_factory.mktemp("tp_models"), CASES, seed=1)
 
 
 def requests() -> list[list[int]]:
@@ -245,8 +235,6 @@ def test_act_order_gptq_matches_one_rank(gang: Gang, tmp_path: Path) -> None:
     """An act-order GPTQ checkpoint (kept quantized on one rank) under tp_size=2: its groups are
     spread over every rank's slice of the row-parallel inputs, so those shards are held as float;
     the tokens are one rank's."""
-    from tests.engine.test_quant_checkpoints import build
-
     cfg, tensors, _ = build("gptq_act")
     path = write_checkpoint(str(tmp_path / "gptq_act"), cfg, tensors)
     ref = Engine(config(path))

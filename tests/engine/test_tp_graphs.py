@@ -21,16 +21,13 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.builtin_model import (
-    byte_level_tokenizer,
     llama_config,
-    random_llama_weights,
-    write_checkpoint,
 )
 from engine.cpu_graph import CpuGraphRunner
 from engine.forward_batch import ForwardMode
 from engine.tp import graph_ops
 from kernels import cpu_kernels
-from tests.helpers import run_staggered
+from tests.helpers import run_staggered, write_random_models
 from tests.tp_gang import Gang, gang_of
 
 pytestmark = [
@@ -125,16 +122,7 @@ def gang() -> Iterator[Gang]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("tp_graph_models")
-    return {
-        name: write_checkpoint(
-            str(root / name),
-            cfg,
-            random_llama_weights(cfg, seed=3, std=0.15),
-            byte_level_tokenizer(),
-        )
-        for name, cfg in CASES.items()
-    }
+    return write_random_models(tmp_path_factory.mktemp("tp_graph_models"), CASES, seed=3)
 
 
 def requests() -> list[list[int]]:

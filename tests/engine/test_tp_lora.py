@@ -25,10 +25,7 @@ from safetensors.torch import save_file
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.builtin_model import (
-    byte_level_tokenizer,
     llama_config,
-    random_llama_weights,
-    write_checkpoint,
 )
 from engine.config import ModelConfig
 from engine.engine import collect_output
@@ -37,6 +34,7 @@ from engine.lora import TARGET_MODULES, LoRAConfig, LoRAManager, LoRAModule, LoR
 from engine.lora.adapter import target_shapes, target_weight_name
 from engine.tp.layout import TPLayout
 from engine.tp.sharding import TPLoRAShards, shard_tensor
+from tests.helpers import write_random_models
 from tests.tp_gang import Gang, gang_of
 
 BASE = dict(
@@ -95,13 +93,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dic
     """case -> (checkpoint folder, adapter folders by name)."""
     root = tmp_path_factory.mktemp("tp_lora")
     out = {}
-    for case, cfg in CASES.items():
-        path = write_checkpoint(
-            str(root / case),
-            cfg,
-            random_llama_weights(cfg, seed=1, std=0.15),
-            byte_level_tokenizer(),
-        )
+    for case, path in write_random_models(root, CASES, seed=1).items():
         mcfg = ModelConfig.from_dir(path)
         folders = {
             name: write_adapter(root / f"{case}-{name}", mcfg, spec, seed=30 + i)
