@@ -11,7 +11,6 @@ rank 0, which builds the gang again."""
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -41,12 +40,6 @@ class TPWorkerActor:
         return run_worker(*self.args)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class TPGang:
     """Rank 0's view of its engine's other ranks. `tp`: {"num_cpus", "num_gpus", "bundles" (the
     placement-group bundle of each rank 1..N-1; None: no placement group), "timeout_s"}."""
@@ -61,11 +54,12 @@ class TPGang:
     def start(self, **engine_kwargs: Any) -> Engine:
         """Create ranks 1..N-1, then rank 0's Engine over the group (returns once every rank has
         its shards and the KV pools agree)."""
+        from engine.tp.comm import serve_store
         from engine.tp.worker import rank0_engine
 
         size = self.config.tp_size
-        init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
         timeout = float(self.tp.get("timeout_s", 30.0))
+        store, init = serve_store(ray.util.get_node_ip_address(), size, timeout)
         pg = ray.util.get_current_placement_group()
         bundles = self.tp.get("bundles") or list(range(1, size))
         cls = ray.remote(TPWorkerActor)
@@ -87,7 +81,7 @@ class TPGang:
             ).remote(cfg, rank, init, timeout)
             self.workers.append(worker)
             self.runs.append(worker.run.remote())
-        return rank0_engine(self.config, init, timeout_s=timeout, **engine_kwargs)
+        return rank0_engine(self.config, store, timeout_s=timeout, **engine_kwargs)
 
     def watch(self, engine: Engine, die: Callable[[BaseException], None]) -> None:
         """On a thread: when any other rank ends while the engine runs (it died, or its loop

@@ -143,13 +143,16 @@ async def consume_outputs(slot: EngineSlot, i: int, consumer: str, channels: Cha
                 return
             log.warning("output stream of engine %d broke: %s", i, type(e).__name__)
         # Doom only requests taken by an instance that is gone: a break noticed late, after
-        # Ray restarted the engine, must not fail requests the new instance holds.
+        # Ray restarted the engine, must not fail requests the new instance holds. Nor those
+        # routed here after the break: a submit to the dead instance raises in its own stream.
+        with channels.lock:
+            before = set(channels.on_engine_locked(i))
         try:
             live = await asyncio.wait_for(actor.incarnation_id.remote(), timeout=5)
         except Exception:
-            live = None  # dead, restarting or hung: every request on it is lost
+            live = None  # dead, restarting or hung: every request it held is lost
         with channels.lock:
-            doomed = channels.on_engine_locked(i, live)
+            doomed = [rid for rid in channels.on_engine_locked(i, live) if rid in before]
         for rid in doomed:
             channels.deliver(rid, ENGINE_DIED, i)
         await asyncio.sleep(0.2)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
-import socket
 
 import msgspec
 import torch
@@ -28,12 +27,6 @@ def _rank1(engine_config: dict, init_method: str) -> None:
     from engine.tp.worker import run_worker
 
     run_worker(engine_config, 1, init_method, 120.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _decode_rate(
@@ -96,15 +89,16 @@ def _run_tp(path: str, scale: float, cpu_graph: str) -> None:
     one.shutdown()
     del one
 
+    from engine.tp.comm import serve_store
     from engine.tp.worker import rank0_engine
 
     config = EngineConfig.from_kwargs(**base, torch_threads=1, tp_size=2)
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    store, init = serve_store("127.0.0.1", config.tp_size, timeout_s=120.0)
     proc = mp.get_context("spawn").Process(
         target=_rank1, args=(msgspec.structs.asdict(config), init), daemon=True
     )
     proc.start()
-    tp = rank0_engine(config, init, timeout_s=120.0)
+    tp = rank0_engine(config, store, timeout_s=120.0)
     try:
         tp.generate(
             input_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_new_tokens=2, temperature=0.0)

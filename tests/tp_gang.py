@@ -17,8 +17,8 @@ import msgspec
 import torch
 
 from engine import Engine, EngineConfig
+from engine.tp.comm import serve_store
 from engine.tp.worker import rank0_engine
-from tests.conftest import free_port
 
 
 class Gang:
@@ -30,9 +30,9 @@ class Gang:
 
     def engine(self, config: EngineConfig, *extra: Any) -> Engine:
         """Rank 0 of a new two-rank engine (rank 1 starts in the gang's process)."""
-        init = f"tcp://127.0.0.1:{free_port()}"
+        store, init = serve_store("127.0.0.1", config.tp_size, timeout_s=60.0)
         self.jobs.put((msgspec.structs.asdict(config), init, *extra))
-        return rank0_engine(config, init, timeout_s=60.0)
+        return rank0_engine(config, store, timeout_s=60.0)
 
     def stop(self, engine: Engine, timeout_s: float = 120.0) -> Any:
         """Shut the engine down (rank 1 leaves on the STOP message); what rank 1 reported."""

@@ -11,7 +11,7 @@ ColumnParallel / RowParallel linears, VocabParallelEmbedding and ParallelLMHead)
   opaque operators inside a CPU decode graph, bound to a group by an integer handle.
 - `ops`: the embedding, reduction and logits steps of a sharded forward."""
 
-from engine.tp.comm import TPGroup, make_store
+from engine.tp.comm import TPGroup, make_store, serve_store
 from engine.tp.layout import TPLayout, rank_weight_bytes, rank_weight_numel, replicated_numel
 from engine.tp.ops import (
     mask_vocab_padding,
@@ -33,6 +33,7 @@ __all__ = [
     "TPGroup",
     "TPLayout",
     "make_store",
+    "serve_store",
     "mask_vocab_padding",
     "rank_weight_bytes",
     "rank_weight_numel",

@@ -87,17 +87,18 @@ class TPWorker:
 
 
 def rank0_engine(
-    config: EngineConfig, init_method: str, timeout_s: float = 30.0, **kwargs: Any
+    config: EngineConfig, store: Any, timeout_s: float = 30.0, **kwargs: Any
 ) -> Engine:
     """Rank 0 of a tensor-parallel engine: the Engine (scheduler, sampler, outputs) over the group
-    at `init_method`, which the other ranks join (`run_worker`) while it is built. A forward error
-    is fatal (the other ranks may be inside a collective): the engine's loop dies, failing its
-    requests, and its host restarts the gang. `engine.shutdown()` stops the other ranks."""
+    whose rendezvous `store` rank 0 serves (`engine.tp.comm.serve_store`; the other ranks join its
+    init method, `run_worker`, while this is built). A forward error is fatal (the other ranks
+    may be inside a collective): the engine's loop dies, failing its requests, and its host
+    restarts the gang. `engine.shutdown()` stops the other ranks."""
     group = TPGroup(
         0,
         config.tp_size,
         resolve_device(config.device),
-        init_method=init_method,
+        store=store,
         timeout_s=timeout_s,
     )
     try:

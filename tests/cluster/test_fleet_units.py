@@ -67,7 +67,8 @@ class _ScriptedEngine:
     fails as a dead actor's call does when `live` is None. Reopened after the break, the stream
     closes the cluster, which ends the consumer."""
 
-    def __init__(self, batches: list[list[StreamDelta]], live: str | None, closed: threading.Event) -> None:
+    def __init__(self, batches: list[list[StreamDelta]], live: str | None, closed: threading.Event,
+                 meanwhile=lambda: None) -> None:
         self.opened = 0
 
         async def outputs(consumer: str):
@@ -81,6 +82,7 @@ class _ScriptedEngine:
             raise ConnectionError("the engine died")
 
         async def incarnation_id() -> str:
+            meanwhile()  # what the front end does while the consumer waits for the answer
             if live is None:
                 raise ConnectionError("the engine is restarting")
             return live
@@ -96,10 +98,12 @@ def _tokens(rid: str, *ids: int) -> StreamDelta:
 async def _consume_after_a_break(live: str | None) -> dict[str, list]:
     """Engine 0's stream delivers a step, then breaks. On engine 0: "old" (taken by instance A,
     the one that died), "new" (taken by instance B, Ray's restart), "pending" (its submit has not
-    answered yet); "elsewhere" is on engine 1. Returns what each request's inbox got."""
+    answered yet), "late" (routed there while the consumer asks which instance is live);
+    "elsewhere" is on engine 1. Returns what each request's inbox got."""
     loop = asyncio.get_running_loop()
     channels = Channels(threading.Lock())
-    inboxes = {rid: Inbox() for rid in ("old", "new", "pending", "elsewhere")}
+    inboxes = {rid: Inbox() for rid in ("old", "new", "pending", "elsewhere", "late")}
+    late = inboxes.pop("late")
     with channels.lock:
         for rid, inbox in inboxes.items():
             channels.subscribe_locked(rid, 1 if rid == "elsewhere" else 0, loop, inbox)
@@ -108,12 +112,17 @@ async def _consume_after_a_break(live: str | None) -> dict[str, list]:
     channels.taken("elsewhere", "A")
     closed = threading.Event()
     step = [_tokens("old", 5), _tokens("new", 7), _tokens("elsewhere", 9)]  # the last one: not engine 0's
-    engine = _ScriptedEngine([step], live, closed)
+
+    def route_late() -> None:
+        with channels.lock:
+            channels.subscribe_locked("late", 0, loop, late)
+
+    engine = _ScriptedEngine([step], live, closed, route_late)
     await asyncio.wait_for(consume_outputs(EngineSlot(engine, None, "engine-0"), 0, "frontend-1", channels, closed),
                            timeout=30)
     await asyncio.sleep(0)  # deliveries are callbacks on this loop
     assert engine.opened == 2  # the stream was reopened after the break
-    return {rid: inbox.items for rid, inbox in inboxes.items()}
+    return {rid: inbox.items for rid, inbox in {**inboxes, "late": late}.items()}
 
 
 def test_a_break_noticed_after_the_restart_fails_only_the_dead_instances_requests():
@@ -121,13 +130,15 @@ def test_a_break_noticed_after_the_restart_fails_only_the_dead_instances_request
     took (or is taking) go on; only the dead instance's requests get the engine-died signal."""
     got = asyncio.run(_consume_after_a_break(live="B"))
     assert got == {"old": [_tokens("old", 5), ENGINE_DIED], "new": [_tokens("new", 7)], "pending": [],
-                   "elsewhere": []}
+                   "elsewhere": [], "late": []}
 
 
-def test_a_break_with_no_live_instance_fails_every_request_on_the_engine():
+def test_a_break_with_no_live_instance_fails_every_request_it_may_have_held():
+    """No instance answers: every request routed to the engine before the break was noticed is
+    lost; one routed after it is not (its submit reaches the restarted instance, or fails)."""
     got = asyncio.run(_consume_after_a_break(live=None))
     assert got == {"old": [_tokens("old", 5), ENGINE_DIED], "new": [_tokens("new", 7), ENGINE_DIED],
-                   "pending": [ENGINE_DIED], "elsewhere": []}
+                   "pending": [ENGINE_DIED], "elsewhere": [], "late": []}
 
 def ctx(n: int, waiting: list[float], running: list[float], kv: list[float], lo: int = 1, hi: int = 8):
     metrics = {"waiting": dict(enumerate(waiting)), "running": dict(enumerate(running)), "kv_use": dict(enumerate(kv))}

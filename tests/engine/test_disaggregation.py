@@ -13,6 +13,7 @@ import pytest
 from engine import Engine, SamplingParams
 from engine.disaggregation import KVFetch, KVPoll, LocalKVChannel
 from engine.disaggregation.local import LocalPrefillSource
+from engine.engine import collect_output
 from engine.errors import ConfigError, InvalidRequestError
 from tests.helpers import prompts
 
@@ -118,13 +119,29 @@ def test_chunked_prefill_on_the_prefill_side(model_dirs, pair_of):
 def test_tight_decode_pool_waits_and_retracts_through_the_prefill(model_dirs, pair_of):
     """A decode pool too small for every request: pre-allocation waits for memory, and decoding
     retracts requests, whose KV comes back through the prefill engine (the decode engine still
-    never extends)."""
+    never extends). The first wave's KV all arrives before the decode engine decodes: with some
+    still on its way, decoding would give those pre-allocations back instead of retracting."""
     path = model_dirs["stories"]
     ref = Engine(model_path=path)
     pair = pair_of("stories", decode={"max_total_tokens": 220})
     ids = prompts(ref, 12, seed=7, lo=20, hi=40)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-    assert_same(pair.generate(ids, params), ref.generate(input_ids=ids, sampling_params=params))
+    deltas: dict[str, list] = {str(i): [] for i in range(len(ids))}
+    for i, x in enumerate(ids):
+        pair.decode.submit(x, params, lambda d: deltas[d.rid].append(d), rid=str(i))
+    pair.decode.step()  # pre-allocates the first wave and asks the prefill engine for its KV
+    wave = list(pair.decode.scheduler.prealloc.transferring)
+    assert 1 < len(wave) < len(ids)
+    deadline = time.monotonic() + 60
+    while any(r.kv_receiver.poll() != KVPoll.Success for r in wave):
+        assert time.monotonic() < deadline, "the prefill engine did not send the first wave"
+        time.sleep(0.01)
+    while any(not d or d[-1].finish_reason is None for d in deltas.values()):
+        assert time.monotonic() < deadline, "the decode engine did not finish"
+        pair.decode.step()
+        time.sleep(0.001)  # the prefill engine's thread needs the GIL between steps
+    got = [collect_output(str(i), deltas[str(i)]) for i in range(len(ids))]
+    assert_same(got, ref.generate(input_ids=ids, sampling_params=params))
     stats = pair.decode.stats()
     assert stats.num_retracted > 0 and stats.batches_by_mode["EXTEND"] == 0
     assert stats.kv_transfers > len(ids)  # the retracted requests' KV came back through the prefill

@@ -31,6 +31,7 @@ from engine.tp import (
     TPLayout,
     rank_weight_bytes,
     replicated_numel,
+    serve_store,
     shard_bytes,
     shard_kind,
     shard_weights,
@@ -40,7 +41,6 @@ from engine.tp import (
 from engine.tp.loader import can_read_slices, read_rank_weights
 from engine.tp.sharding import row_bias_shard, shard_tensor, weight_nbytes
 from kernels.quant import QuantWeight, quantize_int4, quantize_int8
-from tests.conftest import free_port
 
 TP = 2
 ATOL = 1e-5
@@ -187,7 +187,7 @@ def forward(
 # ---- the two ranks --------------------------------------------------------------------------
 
 
-def _comm_checks(rank: int, group: TPGroup, port: int) -> dict:
+def _comm_checks(rank: int, group: TPGroup) -> dict:
     out: dict = {}
     x = torch.full((3,), float(rank + 1))
     same = group.all_reduce(x)
@@ -222,8 +222,14 @@ def _comm_checks(rank: int, group: TPGroup, port: int) -> dict:
     out["threads_ok"] = seen == [[i] for i in range(20)] and sums == [
         2.0 * i + 1 for i in range(20)
     ]
-    # A second private group (TCP rendezvous) beside the first: no global state shared.
-    other = TPGroup(rank, TP, init_method=f"tcp://127.0.0.1:{port}", timeout_s=60)
+    # A second private group (TCP rendezvous: rank 0 serves the store, the other joins its
+    # init method) beside the first: no global state shared.
+    store, init = serve_store("127.0.0.1", TP, 60) if rank == 0 else (None, None)
+    init = group.broadcast_object(init)
+    if rank == 0:
+        other = TPGroup(rank, TP, store=store, timeout_s=60)
+    else:
+        other = TPGroup(rank, TP, init_method=init, timeout_s=60)
     out["tcp_all_reduce"] = other.all_reduce(torch.tensor([10.0 * (rank + 1)])).tolist()
     other.destroy()
     other.destroy()  # idempotent
@@ -237,7 +243,7 @@ def _comm_checks(rank: int, group: TPGroup, port: int) -> dict:
     return out
 
 
-def _worker(rank: int, store_path: str, port: int, out_dir: str) -> None:
+def _worker(rank: int, store_path: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     results: dict = {}
     try:
@@ -277,7 +283,7 @@ def _worker(rank: int, store_path: str, port: int, out_dir: str) -> None:
                 }
             except Exception:
                 results[name] = {"error": traceback.format_exc()}
-        results["comm"] = _comm_checks(rank, group, port)
+        results["comm"] = _comm_checks(rank, group)
         group.destroy()
     except Exception:
         results["setup"] = {"error": traceback.format_exc()}
@@ -287,7 +293,7 @@ def _worker(rank: int, store_path: str, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     d = tmp_path_factory.mktemp("tp")
-    mp.spawn(_worker, args=(str(d / "store"), free_port(), str(d)), nprocs=TP, join=True)
+    mp.spawn(_worker, args=(str(d / "store"), str(d)), nprocs=TP, join=True)
     results = [json.loads((d / f"rank{r}.json").read_text()) for r in range(TP)]
     for r in results:
         assert "setup" not in r, r["setup"]["error"]
