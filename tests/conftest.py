@@ -125,6 +125,8 @@ class HFReference:
     def __init__(self) -> None:
         self.models: dict[str, object] = {}
         self.cache: dict[tuple, list[int]] = {}
+        # Per model path: config values transformers cannot read from the checkpoint itself.
+        self.config_overrides: dict[str, dict] = {}
 
     def model(self, path: str):
         if path not in self.models:
@@ -132,7 +134,7 @@ class HFReference:
 
             if path.endswith(".gguf"):  # transformers dequantizes a GGUF file to float32
                 m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                         dtype=torch.float32)
+                                                         dtype=torch.float32, **self.config_overrides.get(path, {}))
             else:
                 m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             m.generation_config.eos_token_id = None  # compare full lengths: the engine ignores EOS too

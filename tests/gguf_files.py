@@ -17,8 +17,9 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+          "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 # The byte-level vocabulary plus a few merges (transformers' GGUF converter needs some).
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r")]
 
@@ -37,6 +38,22 @@ def gguf_name(hf: str) -> str:
         return f"{_TOP[base]}.{suffix}"
     _, _, layer, rest = base.split(".", 3)
     return f"blk.{layer}.{_LAYER[rest]}.{suffix}"
+
+
+def stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors (`...mlp.experts.{e}.{gate,up,down}_proj.weight`) stacked as llama.cpp
+    stores them: one [E, out, in] tensor per layer and projection, named `blk.{i}.ffn_*_exps`."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for name, t in weights.items():
+        if ".mlp.experts." not in name:
+            out[name] = t
+            continue
+        _, _, layer, _, _, e, proj, _ = name.split(".")
+        stacks.setdefault(f"blk.{layer}.{_EXPERTS[proj]}.weight", []).append((int(e), t))
+    for name, parts in stacks.items():
+        out[name] = torch.stack([t for _, t in sorted(parts, key=lambda p: p[0])])
+    return out
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -143,6 +160,10 @@ def write_gguf(path: str, cfg: dict, weights: dict[str, torch.Tensor], ggml_type
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("num_experts"):
+        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer.add_rope_dimension_count(head_dim)
     if cfg.get("head_dim"):
@@ -159,16 +180,20 @@ def write_gguf(path: str, cfg: dict, weights: dict[str, torch.Tensor], ggml_type
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
-    for name, t in weights.items():
+    for name, t in stack_experts(weights).items():
         w = t.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = permute_qk(w, heads if "q_proj" in name else kv)
         kind = embed_type or ggml_type if name == "model.embed_tokens.weight" else ggml_type
+        if name.endswith("mlp.gate.weight"):  # the router: llama.cpp keeps it in F32
+            kind = GGMLType.F32
+        target = name if name.startswith("blk.") else gguf_name(name)
         if w.ndim == 1 or kind == GGMLType.F32:
-            writer.add_tensor(gguf_name(name), w.astype(np.float32))
-        else:
-            data = encode(w, kind)
-            writer.add_tensor(gguf_name(name), data, raw_dtype=None if kind in (GGMLType.F16,) else kind)
+            writer.add_tensor(target, w.astype(np.float32))
+        else:  # (a stack of experts: each expert's rows encoded, stacked again)
+            data = np.stack([encode(m, kind) for m in w.reshape(-1, *w.shape[-2:])]).reshape(
+                *w.shape[:-2], w.shape[-2], -1)
+            writer.add_tensor(target, data, raw_dtype=None if kind in (GGMLType.F16,) else kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -123,7 +123,7 @@ def read_tensors(path: str, index: list[TensorInfo], cfg: dict,
         check_type(t.name, ggml_type)
         raw = mapped[t.offset:t.offset + t.nbytes].reshape(math.prod(t.shape[:-1]), -1)
         if ".ffn_" in t.name and "_exps." in t.name:
-            out |= _experts(t.name, to_float(raw, ggml_type, t.shape))
+            out |= _experts(t.name, raw, ggml_type, t.shape, keep_quantized)
             continue
         name = hf_name(t.name)
         if name is None:
@@ -138,10 +138,18 @@ def read_tensors(path: str, index: list[TensorInfo], cfg: dict,
     return out
 
 
-def _experts(name: str, stacked: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A stacked expert tensor [E, out, in] as one float tensor per expert."""
+def _experts(name: str, raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, ...],
+             keep_quantized: Callable[[str], bool]) -> dict[str, torch.Tensor | QuantWeight]:
+    """A stacked expert tensor [E, out, in] (raw rows [E * out, bytes per row]) as one weight per
+    expert under its HF name: a QuantWeight (kept in its block format) or float32."""
     layer, kind = name.split(".")[1], name.split(".")[2]
-    if kind not in _EXPERTS:
+    if kind not in _EXPERTS or len(shape) != 3:
         raise ConfigError(f"GGUF tensor {name!r} is not supported")
-    return {f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[kind]}.weight": stacked[e]
-            for e in range(stacked.shape[0])}
+    n_experts, rows, cols = shape
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    for e in range(n_experts):
+        hf = f"model.layers.{layer}.mlp.experts.{e}.{_EXPERTS[kind]}.weight"
+        part = raw[e * rows:(e + 1) * rows]
+        quant = ggml_type not in FLOAT_TYPES and keep_quantized(hf)
+        out[hf] = to_quant(part, ggml_type, rows, cols) if quant else to_float(part, ggml_type, (rows, cols))
+    return out

@@ -157,6 +157,9 @@ class Weights:
             return w.dequantize(self.dtype).to(self.device)
         return w.to(device=self.device, dtype=self.dtype)
 
+    def is_quantized(self, name: str) -> bool:
+        return isinstance(self._get(name), QuantWeight)
+
     def linear(self, name: str) -> torch.Tensor | QuantWeight:
         w = self._get(name)
         return w.to(self.device) if isinstance(w, QuantWeight) else w.to(device=self.device, dtype=self.dtype)

@@ -161,6 +161,8 @@ class Attention:
 # How attention-DP splits an MoE MLP over the group: each member holds E/G whole experts, or a
 # 1/G slice of every expert's intermediate dim (the dense split).
 MoESplit = Literal["experts", "intermediate"]
+# One projection of every expert: stacked float [E, out, in], or one QuantWeight per expert.
+ExpertWeights = torch.Tensor | list[QuantWeight]
 
 
 class GroupComm(Protocol):
@@ -266,19 +268,22 @@ class MoEMLP:
     the routing-weighted sum of those experts, each a gated MLP with gate and up fused; plus, if
     given, a shared expert scaled by sigmoid(shared_gate(x)) (Qwen2-MoE).
 
-    gate and up are [E, I, H], down [E, H, I]: every expert, or with `split="experts"` only this
+    gate and up are [E, I, H], down [E, H, I] (or lists of E quantized weights of those shapes,
+    computed in their block format): every expert, or with `split="experts"` only this
     member's (`shard` (rank, world) -> experts [rank * E / world, (rank + 1) * E / world)), since
     the rest are never read. Under attention-DP (`split_forward`) every member routes the whole
     group's rows with the same router and computes only what it holds: with `split="experts"` its
     experts' (token, expert) pairs (expert parallelism; the shared expert is whole and runs on the
     member's own rows), with `split="intermediate"` a slice of every expert's intermediate dim (and
     of the shared expert's, passed in sliced); the partial outputs are summed over the group.
-    With `fused` (default: on CUDA) the experts run in the Triton fused kernel
-    (kernels.triton_moe) over stacked weights; otherwise grouped by expert, one oneDNN or torch
-    GEMM pair per active expert (kernels.moe). `expert_tokens` [E], if given, accumulates the
-    (token, expert) pairs this member's experts computed (on the device, no host sync)."""
+    With `fused` (default: on CUDA, float experts) the experts run in the Triton fused kernel
+    (kernels.triton_moe) over stacked weights; otherwise grouped by expert, one GEMM pair per
+    active expert (kernels.moe): oneDNN or torch for float experts, the quantized kernels
+    (QuantLinear: C++ on the CPU, Triton on CUDA) for quantized ones. `expert_tokens` [E], if
+    given, accumulates the (token, expert) pairs this member's experts computed (on the device,
+    no host sync)."""
 
-    def __init__(self, router: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+    def __init__(self, router: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights,
                  top_k: int, renormalize: bool, shard: tuple[int, int] = (0, 1), linear: LinearKind = "torch",
                  expert_tokens: torch.Tensor | None = None, shared: GatedMLP | None = None,
                  shared_gate: torch.Tensor | None = None, fused: bool | None = None,
@@ -290,30 +295,38 @@ class MoEMLP:
             raise ConfigError(f"num_experts_per_tok {top_k} is not in [1, num_experts={self.num_experts}]")
         self.sharded, self.split = shard[1] > 1, split
         self.first, self.last = 0, self.num_experts  # the experts held: [first, last)
-        lo, hi = 0, gate.shape[1]  # the intermediate rows held
+        quantized = isinstance(gate, list)
+        given = len(gate) if quantized else gate.shape[0]
+        lo, hi = 0, gate[0].shape[0]  # the intermediate rows held
         if split == "experts":
             self.first, self.last = shard_range(self.num_experts, shard, "num_experts")
-            if gate.shape[0] == self.num_experts:  # given every expert: keep ours
+            if given == self.num_experts:  # given every expert: keep ours
                 gate, up, down = (t[self.first:self.last] for t in (gate, up, down))
-            elif gate.shape[0] != self.last - self.first:
-                raise ConfigError(f"{gate.shape[0]} experts given, expected {self.last - self.first} or "
-                                  f"{self.num_experts}")
+            elif given != self.last - self.first:
+                raise ConfigError(f"{given} experts given, expected {self.last - self.first} or {self.num_experts}")
             if shared is not None and shared.sharded:
                 raise ConfigError("under moe_split='experts' the shared expert is held whole")
         else:
-            lo, hi = shard_range(gate.shape[1], shard)
+            lo, hi = shard_range(hi, shard)
         self.router = Linear(router, kind=linear)
-        w13 = torch.cat([gate[:, lo:hi], up[:, lo:hi]], dim=1)  # per expert: gate rows, then up rows
-        w2 = down[:, :, lo:hi].contiguous()
-        self.fused = w13.device.type == "cuda" if fused is None else fused
-        if self.fused:
-            from kernels.triton_moe import fused_moe  # triton only where this path runs
-
-            self.fused_moe, self.w13, self.w2 = fused_moe, w13, w2
+        self.fused = (not quantized and gate.device.type == "cuda") if fused is None else fused
+        if quantized:
+            if self.fused:
+                raise ConfigError("the fused MoE kernel takes float experts; quantized ones run grouped")
+            self.experts = [(QuantLinear([_rows(g, lo, hi), _rows(u, lo, hi)]), QuantLinear(_cols(d, lo, hi)))
+                            for g, u, d in zip(gate, up, down)]
+            self.expert_numel = sum(a.numel() + b.numel() for a, b in self.experts)
         else:
-            self.experts = [(Linear(w13[e], kind=linear), Linear(w2[e], kind=linear))
-                            for e in range(w13.shape[0])]
-        self.expert_numel = w13.numel() + w2.numel()
+            w13 = torch.cat([gate[:, lo:hi], up[:, lo:hi]], dim=1)  # per expert: gate rows, then up rows
+            w2 = down[:, :, lo:hi].contiguous()
+            if self.fused:
+                from kernels.triton_moe import fused_moe  # triton only where this path runs
+
+                self.fused_moe, self.w13, self.w2 = fused_moe, w13, w2
+            else:
+                self.experts = [(Linear(w13[e], kind=linear), Linear(w2[e], kind=linear))
+                                for e in range(w13.shape[0])]
+            self.expert_numel = w13.numel() + w2.numel()
         self.expert_tokens = expert_tokens
         self.shared = shared
         self.shared_gate = Linear(shared_gate, kind=linear) if shared_gate is not None else None

@@ -11,7 +11,7 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ConfigError
 from engine.models.base import Weights
-from engine.models.layers import MLP, GatedMLP, MoEMLP, MoESplit, shard_range
+from engine.models.layers import MLP, ExpertWeights, GatedMLP, MoEMLP, MoESplit, shard_range
 from engine.models.llama import LlamaForCausalLM
 from engine.tp.comm import TPGroup
 from kernels.cpu_linear import LinearKind
@@ -63,7 +63,11 @@ class SparseMoeCausalLM(LlamaForCausalLM):
         return MoEMLP(w(m + "gate.weight"), gate, up, down, self.cfg.num_experts_per_tok, self.renormalize(),
                       mlp_shard, linear, self.expert_tokens, shared, shared_gate, split=self.moe_split)
 
-    def load_experts(self, w: Weights, x: str, experts: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gate [E', I, H], up [E', I, H], down [E', H, I] of `experts` from the checkpoint's
-        expert tensors under `x`."""
-        return tuple(torch.stack([w(f"{x}{e}.{name}.weight") for e in experts]) for name in self.expert_names)
+    def load_experts(self, w: Weights, x: str, experts: range) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
+        """gate, up and down of `experts` from the checkpoint's expert tensors under `x`: stacked
+        float tensors (gate [E', I, H], up [E', I, H], down [E', H, I]) or, when the checkpoint
+        holds every one of them quantized, one QuantWeight per expert (kept in its block format)."""
+        names = [[f"{x}{e}.{name}.weight" for e in experts] for name in self.expert_names]
+        if all(w.is_quantized(n) for per_name in names for n in per_name):
+            return tuple([w.linear(n) for n in per_name] for per_name in names)
+        return tuple(torch.stack([w(n) for n in per_name]) for per_name in names)

@@ -32,10 +32,17 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
              num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False)
 
 
+# Qwen3-MoE: 4 experts, top-2, renormalised (llama.cpp always renormalises Qwen3-MoE's top-k).
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True)
+
+
 def small_config(model_type: str = "llama") -> dict:
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}[model_type]
     # transformers reads no head_dim from a Qwen3 file: it keeps Qwen3's default, 128.
     qwen3 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128) if model_type == "qwen3" else {}
+    if model_type == "qwen3_moe":
+        qwen3 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, **MOE)
     return llama_config(**{**SMALL, **qwen3}, model_type=model_type, architectures=[arch], vocab_size=VOCAB_SIZE)
 
 
@@ -71,6 +78,38 @@ def test_qwen_files_match_transformers(gguf_dir, hf, model_type):
     ids = prompts(eng, 2, seed=3)
     for p, o in zip(ids, eng.generate(input_ids=ids, sampling_params=GREEDY)):
         assert o.token_ids == hf.greedy(path, p, 16)
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_qwen3_moe_file_matches_transformers(gguf_dir, hf, ggml_type):
+    """Qwen3-MoE: the router (`ffn_gate_inp`) and the experts stacked per layer and projection
+    (`ffn_{gate,up,down}_exps`, [E, out, in]). transformers does not read the experts'
+    intermediate size from the file: it is given to it."""
+    path = written(gguf_dir, ggml_type, "qwen3_moe")
+    hf.config_overrides[path] = {"moe_intermediate_size": MOE["moe_intermediate_size"]}
+    eng = Engine(model_path=path, quantization="none", max_total_tokens=2048)
+    ids = prompts(eng, 2, seed=5)
+    for p, o in zip(ids, eng.generate(input_ids=ids, sampling_params=GREEDY)):
+        assert o.token_ids == hf.greedy(path, p, 16)
+    eng.check_memory()
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_qwen3_moe_experts_kept_quantized(gguf_dir, ggml_type):
+    """`auto` keeps every expert in its block format (one QuantLinear pair per expert); the
+    next-token log-probabilities stay close to the dequantized model's."""
+    path = written(gguf_dir, ggml_type, "qwen3_moe")
+    ref = Engine(model_path=path, quantization="none", max_total_tokens=2048)
+    eng = Engine(model_path=path, max_total_tokens=2048)
+    mlp = eng.model_runner.model.layers[0].mlp
+    assert all(isinstance(p, QuantLinear) for pair in mlp.experts for p in pair)
+    assert eng.model_runner.model.weight_bytes() < 0.6 * ref.model_runner.model.weight_bytes()
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1)
+    for p in prompts(eng, 3, seed=6, lo=20, hi=40):
+        a, b = (e.generate(input_ids=p, sampling_params=params).prompt_logprobs for e in (ref, eng))
+        err = max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:]))
+        assert err < 0.15, f"{ggml_type.name}: a prompt token's logprob moved by {err:.3f}"
+    eng.check_memory()
 
 
 @pytest.mark.parametrize("ggml_type", [t for t in TYPES if t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)],

@@ -21,6 +21,7 @@ from engine.models import build_model, load_weights
 from engine.models.layers import MoEMLP
 from kernels.cpu_linear import Linear, onednn_linear_works
 from kernels.moe import expert_counts, grouped_moe, moe_ref, select_experts
+from kernels.quant import QuantLinear, quantize_int4, quantize_int8
 from tests.helpers import GREEDY, assert_matches_hf, prompts, run_staggered
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -251,3 +252,31 @@ def test_cuda_triton_moe_matches_transformers(moe_dirs, hf, name):
     assert bf16.model_runner.model.expert_tokens.sum().item() > 0
     eng.check_memory()
     bf16.check_memory()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_experts_match_their_dequantized_weights(bits, device):
+    """Experts kept quantized (one QuantWeight per expert projection, computed by the quantized
+    kernels: C++ on the CPU, Triton on CUDA) give what the same MoE MLP over their dequantized
+    weights gives, whole and split both ways (a member's experts; a slice of every expert's
+    intermediate dim)."""
+    g = torch.Generator().manual_seed(bits)
+    E, H, inter = 4, 64, 64
+    router = torch.randn(E, H, generator=g)
+    gate, up = torch.randn(E, inter, H, generator=g) * 0.15, torch.randn(E, inter, H, generator=g) * 0.15
+    down = torch.randn(E, H, inter, generator=g) * 0.15
+    quantize = (lambda w: quantize_int8(w, 32)) if bits == 8 else quantize_int4
+    q = [[quantize(t[e]).to(torch.device(device)) for e in range(E)] for t in (gate, up, down)]
+    deq = [torch.stack([w.dequantize(torch.float32) for w in ws]) for ws in q]
+    router, x = router.to(device), torch.randn(9, H, generator=g).to(device)
+    for shard, split in (((0, 1), "experts"), ((0, 2), "experts"), ((1, 2), "experts"),
+                         ((0, 2), "intermediate"), ((1, 2), "intermediate")):
+        kept = MoEMLP(router, *q, 2, True, shard, split=split)
+        ref = MoEMLP(router, *deq, 2, True, shard, split=split)
+        assert isinstance(kept.experts[0][0], QuantLinear) and not kept.fused
+        assert kept.numel() == ref.numel()
+        scale = ref(x).abs().max().item()
+        assert (kept(x) - ref(x)).abs().max().item() < 0.02 * scale, (shard, split)
+    with pytest.raises(ConfigError, match="quantized ones run grouped"):
+        MoEMLP(router, *q, 2, True, fused=True)

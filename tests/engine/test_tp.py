@@ -69,11 +69,12 @@ CASES = {
         architectures=["Qwen3ForCausalLM"],
         model_type="qwen3",
     ),
-    # Layer 0 dense, layer 1 sparse with a shared expert: the experts split inside.
+    # Layer 0 dense, layer 1 sparse with a shared expert: the experts split inside (on int8's
+    # 32-wide groups when quantized).
     "moe": moe_config(
-        **dict(BASE, intermediate_size=96),
+        **dict(BASE, intermediate_size=128),
         num_key_value_heads=2,
-        moe_intermediate_size=32,
+        moe_intermediate_size=64,
         num_experts=4,
         num_experts_per_tok=2,
         norm_topk_prob=True,
@@ -108,6 +109,7 @@ RUNS = [
     ("mha_tied", "ngram_spec"),
     ("mqa", "no_radix"),
     ("gqa_untied", "int8"),
+    ("moe", "int8"),
     ("gqa_untied", "draft_self"),
 ]
 
