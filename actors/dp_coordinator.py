@@ -19,7 +19,6 @@ epoch as usual; members of any other epoch are told to leave."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 import uuid
@@ -164,6 +163,7 @@ class DPMember:
 
     def _run(self) -> None:
         from engine.dp import DPComm, DPLoop
+        from engine.tp.comm import make_store, serve_store
 
         me = ray.get_runtime_context().current_actor
         try:
@@ -171,15 +171,14 @@ class DPMember:
             self.epoch = epoch
             if epoch in self._abandoned:  # the group moved on while we joined
                 raise RuntimeError(f"joined epoch {epoch}, which was abandoned meanwhile")
-            if self.rank == 0:
+            if self.rank == 0:  # the store bound (on a port the OS picks) before anyone is told
                 host = ray.util.get_node_ip_address()
-                with socket.socket() as s:
-                    s.bind(("", 0))
-                    port = s.getsockname()[1]
-                self._get(self.coordinator.set_master.remote(epoch, host, port))
+                store, _ = serve_store(host, self.size, self.timeout_s)
+                self._get(self.coordinator.set_master.remote(epoch, host, store.port))
             else:
                 host, port = self._get(self.coordinator.get_master.remote(epoch))
-            comm = DPComm(host, port, self.rank, self.size, self.engine.model_runner.device, self.timeout_s)
+                store = make_store(f"tcp://{host}:{port}", self.rank, self.size, self.timeout_s)
+            comm = DPComm(store, self.rank, self.size, self.engine.model_runner.device, self.timeout_s)
             loop = DPLoop(self.engine, comm, lambda: self.coordinator.request_wave.remote(), self.die)
             self.engine.on_work = loop.wake
             loop.start()

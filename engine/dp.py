@@ -21,13 +21,17 @@ from engine.engine import Engine
 from engine.req import Req
 from engine.schedule_batch import ScheduleBatch
 from engine.scheduler import Scheduler, StepStrategy
+from kernels.lora import LoRABatchInfo, batch_info
 
 
 class DPComm:
-    def __init__(self, host: str, port: int, rank: int, world: int, device: torch.device,
+    """Member `rank` of a `world`-member group over the rendezvous `store` (rank 0 serves it:
+    engine.tp.comm.serve_store; the others join it: make_store)."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device,
                  timeout_s: float = 30.0) -> None:
         timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)
+        self.store = store
         if device.type == "cuda":
             self.pg = dist.ProcessGroupNCCL(self.store, rank, world)
         else:
@@ -64,6 +68,19 @@ class DPComm:
         outs = [torch.empty_like(padded) for _ in range(self.world)]
         self._wait(self.pg.allgather([outs], [padded]), _nbytes(padded) * (self.world - 1))
         return torch.cat([o[:n] for o, n in zip(outs, self.counts)])
+
+    def gather_lora(self, info: LoRABatchInfo | None, rows: int) -> LoRABatchInfo | None:
+        """The adapter segments of every member's rows, in `gather`'s order: what an MLP split over
+        the group adapts its gathered rows by (each member holds every adapter in the same slot).
+        `info`: this member's `rows` rows (None: none adapted). None when no member's row is."""
+        slots = torch.full((rows, 1), -1, dtype=torch.int32)
+        if info is not None:
+            for lo, hi, slot in zip(info.seg_indptr_host, info.seg_indptr_host[1:], info.weight_indices_host):
+                slots[lo:hi] = slot
+        every = self.gather(slots.to(self.device)).view(-1).tolist()
+        if max(every, default=-1) < 0:
+            return None
+        return batch_info(every, device=self.device)
 
     def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
         """Partial MLP outputs over all tokens -> the summed rows of this member's tokens.

@@ -18,6 +18,7 @@ from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.memory import KVCache, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model_path import resolve_model_path
 from engine.models import build_model
+from engine.models.layers import GatedMLP, shard_range
 from engine.sampling import SampleResult, grammar_bitmask, sample_on_device
 from engine.speculative import VerifyResult, verify
 from engine.tp.batch import (
@@ -37,9 +38,8 @@ from kernels.cpu_linear import LinearKind, native_linear_works, onednn_linear_wo
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from engine.lora import LoRAConfig, LoRAManager, LoRAReplica, PoolEvent
+    from engine.lora import LoRAConfig, LoRAManager, LoRAReplica, LoRAShards, PoolEvent
     from engine.tp.graph_ops import GraphCollectives
-    from engine.tp.sharding import TPLoRAShards
     from kernels.lora import LoRAWeights
 
 log = logging.getLogger("radixray.engine")
@@ -225,7 +225,8 @@ class ModelRunner:
         try:
             attach = self._lora_attach()
             manager = LoRAManager(lora_config, self.model_config, self.dtype, self.device,
-                                  shards=self._lora_shards(), record_events=self.tp_size > 1)
+                                  shards=self._lora_shards(), record_events=self.tp_size > 1,
+                                  fixed_slots=self.mlp_shard[1] > 1)
         except BaseException as e:  # the other ranks wait for the setup: they fail too
             with contextlib.suppress(Exception):  # (a broken group: they are gone already)
                 self._send_lora_setup(LoRASetup(error=str(e) or type(e).__name__))
@@ -257,8 +258,6 @@ class ModelRunner:
 
     def _lora_attach(self) -> Callable[[Callable[[int, str], LoRAWeights | None]], None]:
         """The model's `attach_lora`; ConfigError for what does not compose with LoRA yet."""
-        if self.mlp_shard[1] > 1:
-            raise ConfigError("LoRA adapters with attention-DP (enable_dp_attention) are not supported yet")
         if self.model_config.is_dllm:
             raise ConfigError("LoRA adapters on a block-diffusion model are not supported yet")
         attach = getattr(self.model, "attach_lora", None)
@@ -266,8 +265,17 @@ class ModelRunner:
             raise ConfigError(f"{type(self.model).__name__} cannot take LoRA adapters yet")
         return attach
 
-    def _lora_shards(self) -> TPLoRAShards | None:
-        """This rank's part of each adapter (None: one rank holds them whole)."""
+    def _lora_shards(self) -> LoRAShards | None:
+        """This rank's part of each adapter (None: it holds them whole): under attention-DP the
+        slice of the dense MLPs' intermediate dim this member computes."""
+        if self.mlp_shard[1] > 1:
+            from engine.lora.mlp_shards import MLPSliceShards
+
+            split = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, GatedMLP) and layer.mlp.sharded]
+            if not split:  # (expert parallelism holds the dense MLPs whole)
+                return None
+            lo, hi = shard_range(self.model_config.intermediate_size, self.mlp_shard)
+            return MLPSliceShards(self.model_config, lo, hi)
         if self.tp_size == 1:
             return None
         from engine.tp.sharding import TPLoRAShards

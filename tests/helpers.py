@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from cluster import Cluster
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+TIE = 1e-3  # logprob gap under which float summation order may pick either token
 
 
 def write_random_models(root, configs: dict[str, dict], seed: int) -> dict[str, str]:
@@ -109,3 +110,15 @@ def write_peft_adapters(model_path: str, root, specs: dict[str, dict], seed: int
         folders[name] = str(root / name)
         model.save_pretrained(folders[name])
     return folders
+
+
+def assert_greedy_agrees(got: list[int], want) -> None:
+    """An attention-DP group's greedy tokens are the single engine's (`want`: its output with
+    top_logprobs >= 2), or they part where the reference's two best tokens are within TIE of each
+    other, and the group took the second: the group sums each MLP's halves over its members, in
+    another order than one engine, which can only decide a near-tie the other way."""
+    if got == want.token_ids:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got, want.token_ids)) if a != b)
+    (_, first), (second_id, second) = want.logprobs[i].top_logprobs[:2]
+    assert first - second < TIE and got[i] == second_id, (i, got, want.token_ids, want.logprobs[i])

@@ -54,8 +54,13 @@ class LoRASlotsFullError(RuntimeError):
     adapters than max_loras_per_batch among running requests (a bug, never a user error)."""
 
 
+_FIXED = ("adapters are not loaded or unloaded at run time under attention-DP (every member holds "
+          "the adapters of lora_paths in the same slots)")
+
+
 class LoRAShards(Protocol):
-    """One tensor-parallel rank's part of every adapter (engine.tp.sharding.TPLoRAShards)."""
+    """One rank's part of every adapter (engine.tp.sharding.TPLoRAShards for a tensor-parallel
+    rank, engine.lora.mlp_shards.MLPSliceShards for an attention-DP member)."""
 
     def target_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each target projection on this rank."""
@@ -176,7 +181,10 @@ class LoRAManager:
     """The engine's adapters by name: host residency (LRU, pinning), reference counts, device
     slots for each batch. Not thread-safe: the scheduler thread owns it (`take_events` excepted).
     Under tensor parallelism (rank 0's): `shards` keeps this rank's part of each adapter, and
-    `record_events` logs the slot and host changes the other ranks repeat."""
+    `record_events` logs the slot and host changes the other ranks repeat. `fixed_slots`
+    (attention-DP, whose members adapt each other's rows in the split MLP and so must hold every
+    adapter in the same slot): the adapters of `lora_paths` go into slots 1.. in their order at
+    start and stay there; none is loaded or unloaded at run time."""
 
     def __init__(
         self,
@@ -186,7 +194,9 @@ class LoRAManager:
         device: torch.device | str = "cpu",
         shards: LoRAShards | None = None,
         record_events: bool = False,
+        fixed_slots: bool = False,
     ) -> None:
+        self.fixed_slots = False  # (set once the adapters of lora_paths are in their slots)
         self.config, self.model, self.dtype, self.device = (
             config,
             model,
@@ -259,6 +269,14 @@ class LoRAManager:
                 self.load_adapter(name, p.lora_path, pinned=p.pinned)
             except LoRAAdapterError as e:  # at start a bad adapter is a configuration error
                 raise ConfigError(str(e)) from e
+        if fixed_slots:
+            if len(paths) > min(self.max_loras_per_batch, self.max_loaded_loras):
+                raise ConfigError(
+                    f"attention-DP holds every adapter in a slot: {len(paths)} adapters in lora_paths need "
+                    f"max_loras_per_batch and max_loaded_loras >= {len(paths)}"
+                )
+            self.prepare_batch(list(paths))  # slots 1.. in order, the same on every member
+            self.fixed_slots = True
 
     # -- names ---------------------------------------------------------------------------------
 
@@ -319,6 +337,8 @@ class LoRAManager:
     def read(self, name: str, path: str) -> LoRAAdapter:
         """Read and validate the adapter in `path` for this manager (LoRAAdapterError), changing
         nothing: safe off the step thread, so a run-time load reads its files while steps run."""
+        if self.fixed_slots:
+            raise LoRAAdapterError(name, _FIXED)
         return self._read(name, path)
 
     def load_adapter(
@@ -327,6 +347,8 @@ class LoRAManager:
         """Read, validate and keep adapter `name` (LoRAAdapterError on a bad adapter, an existing
         name, no host room or too many pinned ones; nothing changes then). `adapter`: already
         read from `path` (`read`)."""
+        if self.fixed_slots:
+            raise LoRAAdapterError(name, _FIXED)
         if name in self._known or name in self._draining:
             raise LoRAAdapterError(name, "an adapter of that name is already loaded")
         if pinned:
@@ -354,6 +376,8 @@ class LoRAManager:
         gone now; False if running requests still use it (it goes at their last release)."""
         if name not in self._known:
             raise UnknownLoRAError(name)
+        if self.fixed_slots:
+            raise LoRAAdapterError(name, _FIXED)
         path = self._known.pop(name)
         if self.refs(name):
             self._draining[name] = path

@@ -94,6 +94,7 @@ class CausalLM:
         self.tp_reduce = self.tp if self.tp.tp_size > 1 else None
         self.scale = cfg.head_dim ** -0.5
         self.mlp_comm = None
+        self.lora_attached = False  # adapter slots given to the projections (attach_lora)
 
     def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
         raise NotImplementedError

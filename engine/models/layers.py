@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine.errors import ConfigError
 from kernels.cpu_linear import Linear, LinearKind
-from kernels.lora import LoRABatchInfo, LoRAWeights, sgmv
+from kernels.lora import LoRABatchInfo, LoRAWeights, sgmv, slice_batch_info
 from kernels.moe import expert_counts, grouped_moe, select_experts
 from kernels.quant import QuantLinear, QuantWeight
 
@@ -177,6 +177,8 @@ class GroupComm(Protocol):
 
     def exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor: ...
 
+    def gather_lora(self, info: LoRABatchInfo | None, rows: int) -> LoRABatchInfo | None: ...
+
 
 class TPReduce(Protocol):
     """Tensor parallelism's reduction as the layers use it (engine.tp.TPGroup)."""
@@ -187,11 +189,14 @@ class TPReduce(Protocol):
 class MLP(Protocol):
     """A layer's MLP slot: [T, H] -> [T, H] over the rows it is given. Under attention-DP the layer
     calls `split_forward` instead: this member's rows in, their outputs out, with whatever
-    collectives the MLP's split over the group needs (none for an MLP every member holds whole)."""
+    collectives the MLP's split over the group needs (none for an MLP every member holds whole).
+    `lora`: the adapters of this member's rows; `group_lora`: those of every member's rows
+    (`GroupComm.gather_lora`), for an MLP that computes the group's rows."""
 
     def __call__(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor: ...
 
-    def split_forward(self, x: torch.Tensor, comm: GroupComm) -> torch.Tensor: ...
+    def split_forward(self, x: torch.Tensor, comm: GroupComm, lora: LoRABatchInfo | None = None,
+                      group_lora: LoRABatchInfo | None = None) -> torch.Tensor: ...
 
     def numel(self) -> int: ...
 
@@ -237,13 +242,14 @@ class GatedMLP:
         self.lora_down: LoRAWeights | None = None
 
     def __call__(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
-        """`lora`: the adapters of x's rows (never with row blocks: attention-DP has no LoRA)."""
+        """`lora`: the adapters of x's rows."""
         blocks = row_blocks(x.shape[0], x.device)  # > 1 only for attention-DP's gathered rows
         if len(blocks) == 1:
             return self._rows(x, lora)
         out = x.new_empty(x.shape[0], self.down.out_features)
         for blk in blocks:
-            out[blk] = self._rows(x[blk])
+            part = None if lora is None else slice_batch_info(lora, blk.start, min(blk.stop, x.shape[0]))
+            out[blk] = self._rows(x[blk], part)
         return out
 
     def _rows(self, x: torch.Tensor, lora: LoRABatchInfo | None = None) -> torch.Tensor:
@@ -251,12 +257,15 @@ class GatedMLP:
         h = F.silu(gate, inplace=True).mul_(up)
         return add_lora(self.down(h), h, self.lora_down, lora)
 
-    def split_forward(self, x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
-        """A slice of the intermediate dim: every member's rows in, partial sums reduced back to
-        each member's own rows. Held whole (a dense layer under expert parallelism): local rows only."""
+    def split_forward(self, x: torch.Tensor, comm: GroupComm, lora: LoRABatchInfo | None = None,
+                      group_lora: LoRABatchInfo | None = None) -> torch.Tensor:
+        """A slice of the intermediate dim: every member's rows in (adapted by `group_lora`: each
+        member holds its slice of every adapter's gate/up B and down A, so the partial sums add up
+        to the whole update too), partial sums reduced back to each member's own rows. Held whole
+        (a dense layer under expert parallelism): local rows only, adapted by `lora`."""
         if not self.sharded:
-            return self(x)
-        return comm.reduce_scatter(self(comm.gather(x)))
+            return self(x, lora)
+        return comm.reduce_scatter(self(comm.gather(x), group_lora))
 
     def numel(self) -> int:
         return self.gate_up.numel() + self.down.numel()
@@ -338,8 +347,10 @@ class MoEMLP:
             out = out + self.shared_out(x)
         return out
 
-    def split_forward(self, x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
-        """This member's rows -> their outputs, the routed part computed across the group."""
+    def split_forward(self, x: torch.Tensor, comm: GroupComm, lora: LoRABatchInfo | None = None,
+                      group_lora: LoRABatchInfo | None = None) -> torch.Tensor:
+        """This member's rows -> their outputs, the routed part computed across the group (the
+        adapters are ignored: an MoE layer's MLP is never adapted)."""
         if not self.sharded:
             return self(x)
         if self.split == "intermediate":
@@ -428,18 +439,19 @@ class DecoderLayer:
 
     def attn_out_and_mlp(self, residual: torch.Tensor, o: torch.Tensor,
                          mlp_comm: GroupComm | None = None, tp: TPReduce | None = None,
-                         lora: LoRABatchInfo | None = None) -> None:
+                         lora: LoRABatchInfo | None = None, group_lora: LoRABatchInfo | None = None) -> None:
         """o-projection, post-attention norm and MLP, added into `residual` (rows of it) in place;
         with `mlp_comm` (attention-DP) the MLP runs split over the group (`MLP.split_forward`);
         with `tp` (tensor parallelism) the o-projection's and the MLP's partial sums are
-        all-reduced over the ranks (row-parallel); `lora`: the rows' adapters."""
+        all-reduced over the ranks (row-parallel); `lora`: the rows' adapters (`group_lora`:
+        every member's rows', under attention-DP)."""
         a = self.attn.out_proj(o, lora)
         if tp is not None:
             tp.all_reduce(a)
         residual.add_(a)
         x = rms_norm(residual, self.post_norm, self.eps)
         if mlp_comm is not None:
-            y = self.mlp.split_forward(x, mlp_comm)
+            y = self.mlp.split_forward(x, mlp_comm, lora, group_lora)
         else:
             y = self.mlp(x) if lora is None else self.mlp(x, lora)
         if tp is not None:

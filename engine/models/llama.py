@@ -82,6 +82,7 @@ class LlamaForCausalLM(CausalLM):
         """Give each layer's projections their LoRA slots: `weights(layer, group)` for the groups
         qkv_proj, o_proj, gate_up_proj, down_proj (engine.lora.LoRAMemoryPool.weights). A layer
         whose MLP is not a GatedMLP (MoE) keeps an unadapted MLP."""
+        self.lora_attached = True
         for i, layer in enumerate(self.layers):
             if type(layer.attn).unroped_qkv is not Attention.unroped_qkv:
                 raise ConfigError(f"{type(self).__name__}'s attention cannot take LoRA adapters yet")
@@ -125,15 +126,25 @@ class LlamaForCausalLM(CausalLM):
         qkv_buf = None
         if len(blocks) > 1:
             qkv_buf = residual.new_empty(T, self.layers[0].attn.qkv_heads, self.cfg.head_dim)
-        tail_blocks = blocks if self.mlp_comm is None else [slice(None)]  # attention-DP's MLP needs all rows
         lora = self.block_lora(fb.lora_info, T, blocks)
+        tail_blocks, tail_lora, group_lora = blocks, lora, None
+        if self.mlp_comm is not None:  # attention-DP's MLP needs all rows
+            tail_blocks, tail_lora = [slice(None)], [fb.lora_info] if fb.lora_info is not None else None
+            group_lora = self.gather_lora(fb.lora_info, T)
         for i in range(start, end):
             layer = self.layers[i]
             q, k, v = layer.attn_inputs(residual, cos, sin, blocks, qkv_buf, lora)
             o = attn.forward(q, k, v, i, fb).reshape(T, self.q_size)
             for j, blk in enumerate(tail_blocks):
                 layer.attn_out_and_mlp(residual[blk], o[blk], self.mlp_comm, self.tp_reduce,
-                                       lora[j] if lora else None)
+                                       tail_lora[j] if tail_lora else None, group_lora)
+
+    def gather_lora(self, info: LoRABatchInfo | None, rows: int) -> LoRABatchInfo | None:
+        """Under attention-DP with adapters: every member's rows' adapters (a collective every
+        member makes each forward, whether its own rows have adapters or not)."""
+        if not self.lora_attached:
+            return None
+        return self.mlp_comm.gather_lora(info, rows)
 
     @staticmethod
     def block_lora(info: LoRABatchInfo | None, rows: int,
@@ -177,6 +188,7 @@ class LlamaForCausalLM(CausalLM):
         x = cpu_kernels.rms_norm(residual, self.layers[0].input_norm, eps)
         cos, sin = self.rope.cos, self.rope.sin_signed
         lora = fb.lora_info
+        group_lora = self.gather_lora(lora, T) if self.mlp_comm is not None else None
         for i, layer in enumerate(self.layers):
             qkv = layer.attn.unroped_qkv(x) if lora is None else layer.attn.unroped_qkv(x, lora)
             o = attn.forward_decode_rope(qkv, cos, sin, i, fb)
@@ -185,7 +197,7 @@ class LlamaForCausalLM(CausalLM):
                 self.tp_reduce.all_reduce(a)
             x = cpu_kernels.add_rms_norm(a, residual, layer.post_norm, eps)
             if self.mlp_comm is not None:
-                y = layer.mlp.split_forward(x, self.mlp_comm)
+                y = layer.mlp.split_forward(x, self.mlp_comm, lora, group_lora)
             else:
                 y = layer.mlp(x) if lora is None else layer.mlp(x, lora)
             if self.tp_reduce is not None:  # one reduction for the whole MLP (experts and shared expert too)

@@ -27,11 +27,10 @@ from cluster import Cluster, ClusterConfig
 from cluster.health import wait_ready
 from engine import Engine, GenerateOutput, SamplingParams
 from engine.engine import collect_output
-from tests.helpers import finals_after
+from tests.helpers import assert_greedy_agrees, finals_after, write_peft_adapters
 from tests.ray.conftest import take_down_engine_0
 
 pytestmark = pytest.mark.ray
-TIE = 1e-3  # logprob gap under which float summation order may pick either token
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
 # The stall bound of the "stories" group (its stall test waits it out; the default is 30 s).
 STALL_S = 6.0
@@ -90,18 +89,6 @@ def mode_diff(after, before, mode: str) -> list[int]:
     return [a.engine.batches_by_mode[mode] - b.engine.batches_by_mode[mode] for a, b in zip(after, before)]
 
 
-def assert_greedy_agrees(got: list[int], want) -> None:
-    """The group's greedy tokens are the single engine's, or they part where the reference's two
-    best tokens are within TIE of each other, and the group took the second: the group sums each
-    MLP's halves over its members, in another order than one engine, which can only decide a
-    near-tie the other way (quantized weights' random models have some)."""
-    if got == want.token_ids:
-        return
-    i = next(k for k, (a, b) in enumerate(zip(got, want.token_ids)) if a != b)
-    (_, first), (second_id, second) = want.logprobs[i].top_logprobs[:2]
-    assert first - second < TIE and got[i] == second_id, (i, got, want.token_ids, want.logprobs[i])
-
-
 @pytest.mark.parametrize("name", ["llama-int4", "qwen3", "llama", "stories"])  # llama's serves the next test too
 def test_group_matches_single_engine(clusters, single, name):
     cl = clusters.get(name)
@@ -142,6 +129,30 @@ def test_dp_group_constrained_matches_single_engine(clusters, single):
     for o in outs[::2]:
         assert o.finish_reason == "stop"
         jsonschema.validate(json.loads(o.text), SCHEMA)
+
+
+def test_group_serves_lora_adapters(clusters, model_dirs, tmp_path_factory):
+    """LoRA adapters under attention-DP through the cluster: every member holds each adapter of
+    lora_paths in the same slot; requests of two adapters and of the base model, spread over
+    both members, give one engine's greedy tokens (up to near-ties)."""
+    pytest.importorskip("peft", reason="needs peft (python3 -m pip install --no-deps peft)")
+    path = model_dirs["llama"]
+    folders = write_peft_adapters(path, tmp_path_factory.mktemp("dp_loras"), {
+        "all8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"]),
+        "mlp4": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"])}, seed=42)
+    clusters.configs["llama-lora"] = ClusterConfig(model_path=path, routing="round_robin", enable_dp_attention=True,
+                                                   num_engines=2, engine={"lora_paths": folders})
+    cl = clusters.get("llama-lora")
+    engine = Engine(model_path=path, lora_paths=folders)
+    ids = prompts_for(engine.model_config.vocab_size, 6, seed=13)
+    names = ["all8", None, "mlp4", "all8", "mlp4", None]
+    params = msgspec.structs.replace(GREEDY, logprobs=True, top_logprobs=2)
+    ref = [engine.generate(input_ids=x, sampling_params=params, lora_name=n) for x, n in zip(ids, names)]
+    for got, want in zip(cl.generate(input_ids=ids, sampling_params=GREEDY, lora_name=names), ref):
+        assert got.finish_reason == "length", got.error
+        assert_greedy_agrees(got.token_ids, want)
+    clusters.close("llama-lora")  # (its two engines make room for the next tests' groups)
 
 
 def test_prefill_beside_decode_and_chunked(clusters, single):
