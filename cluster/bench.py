@@ -211,11 +211,14 @@ def case_routing(path: str, scale: float) -> None:
 
 
 def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rate: float | None = None,
-               hicache_ratio: float | None = None, plot_path: str | None = None) -> None:
+               hicache_ratio: float | None = None, plot_path: str | None = None, repeat: int = 1) -> None:
     """hicache_ratio: every engine with a host KV tier of that many times its pool (every policy
     on the same engines), the hit rates counting what the host tier gave back; the same run also
     routes with Serve's router and cache_aware over engines without the tier (the issue's
-    baselines: routing alone), and prints the ceiling of each (Belady over the KV of both tiers)."""
+    baselines: routing alone), and prints the ceiling of each (Belady over the KV of both tiers).
+    repeat: the whole comparison that many times, each run's lines printed; with more than one,
+    the lines again over every run pooled (TTFTs of all runs, mean hit rate, tok/s over the
+    summed wall time): one run's p90 of 192 requests moves by a third between runs here."""
     prompts, outs, order = churn_workload(scale)
     tiers = {} if hicache_ratio is None else {"enable_hierarchical_cache": True, "hicache_ratio": hicache_ratio}
     arrivals = poisson_arrivals(rate, len(prompts)) if rate else None
@@ -233,45 +236,85 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
     # Imported from where it lives: its public alias, ray.serve.llm, needs vLLM or SGLang installed.
     router = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
 
-    ttft_dists: dict[str, list[float]] = {}  # for the plot
+    def run_once() -> dict[tuple[str, int, bool], tuple[float, list[float], float, list[float]]]:
+        """(policy, front ends (0: Serve's one handle), with the tier) -> (wall s, TTFTs, hit rate,
+        each request's cached share of its prompt)."""
+        raw = {("serve_prefix_affinity", 0, bool(tiers)):
+               _serve_router_run(path, pool, prompts, outs, in_flight, router, arrivals, tiers)}
+        if tiers:  # routing alone, the baselines the floors compare against
+            raw["serve_prefix_affinity", 0, False] = _serve_router_run(path, pool, prompts, outs, in_flight, router,
+                                                                       arrivals)
+        for m in frontends:
+            for policy in ("kv_events", "cache_aware", "round_robin"):
+                raw[policy, m, bool(tiers)] = _fleet_run(path, pool, prompts, outs, in_flight, policy, m, arrivals,
+                                                         tiers)
+            if tiers:
+                raw["cache_aware", m, False] = _fleet_run(path, pool, prompts, outs, in_flight, "cache_aware", m,
+                                                          arrivals)
+        return raw
 
-    def summary(dt: float, ttfts: list[float], hit: float, label: str = "") -> tuple[float, float, float, float]:
-        if label:
-            ttft_dists[label] = ttfts
-        return total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9)
+    def report(raw: dict[tuple[str, int, bool], tuple[float, list[float], float, list[float]]], runs: int,
+               note: str) -> None:
+        def summary(key: tuple[str, int, bool]) -> tuple[float, float, float, float]:
+            dt, ttfts, hit, _ = raw[key]
+            return runs * total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9)
 
-    serve_router = summary(*_serve_router_run(path, pool, prompts, outs, in_flight, router, arrivals, tiers),
-                           label="serve_prefix_affinity, host tier")
-    pool_only = {}
-    if tiers:  # routing alone, the baselines the floors compare against
-        pool_only["serve_prefix_affinity"] = summary(*_serve_router_run(path, pool, prompts, outs, in_flight, router,
-                                                                        arrivals), label="serve_prefix_affinity, no tier")
-    for m in frontends:
-        results = {}
-        for policy in ("kv_events", "cache_aware", "round_robin"):
-            results[policy] = summary(*_fleet_run(path, pool, prompts, outs, in_flight, policy, m, arrivals, tiers),
-                                      label=f"{policy}, host tier" if m == frontends[0] else "")
-        results["serve_prefix_affinity"] = serve_router  # (one Serve handle: its router sees everything)
-        if tiers:
-            pool_only["cache_aware"] = summary(*_fleet_run(path, pool, prompts, outs, in_flight, "cache_aware", m,
-                                                           arrivals), label="cache_aware, no tier" if m == frontends[0] else "")
-        line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms p90={1e3 * r[3]:.0f} ms"
-                         for p, r in results.items())
-        exact = results["kv_events"]
+        def by_hit(label: str, key: tuple[str, int, bool]) -> str:
+            """The requests that missed (under half the prompt cached: the prefix recomputed) and
+            their TTFTs beside the others': where the run's p90 falls."""
+            _, ttfts, _, cached = raw[key]
+            missed = [t for t, c in zip(ttfts, cached) if c < 0.5]
+            hits = [t for t, c in zip(ttfts, cached) if c >= 0.5]
+            return (f"{label}: {len(missed) / len(ttfts):.0%} missed, TTFT p50 {1e3 * statistics.median(missed or [0]):.0f} "
+                    f"ms / p90 {1e3 * percentile(missed, 0.9):.0f} ms; hits p50 {1e3 * statistics.median(hits or [0]):.0f}"
+                    f" ms / p90 {1e3 * percentile(hits, 0.9):.0f} ms")
+
+        def line(results: dict[str, tuple[float, float, float, float]]) -> str:
+            return "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms "
+                             f"p90={1e3 * r[3]:.0f} ms" for p, r in results.items())
+
         tier_note = f", host tier {hicache_ratio:g}x" if tiers else ""
-        print(f"churn      {m} front ends, {pacing}{tier_note}: {line}  |  "
-              f"{_churn_floors(exact, results)}  |  any router's hit rate <= {optimal:.0%} (optimal eviction), "
-              f"one LRU cache: {lru:.0%}", flush=True)
-        if tiers:
-            line = "  ".join(f"{p}: {r[0]:,.0f} tok/s hit={r[1]:.0%} ttft_p50={1e3 * r[2]:.0f} ms "
-                             f"p90={1e3 * r[3]:.0f} ms" for p, r in pool_only.items())
-            pool_optimal, pool_lru = ceilings(1.0)
-            print(f"churn      {m} front ends, {pacing}, kv_events with the host tier {hicache_ratio:g}x vs routing "
-                  f"alone (no tier): {line}  |  {_churn_floors(exact, pool_only)}  |  without the tier any router's "
-                  f"hit rate <= {pool_optimal:.0%}, one LRU cache: {pool_lru:.0%}", flush=True)
+        for m in frontends:
+            results = {p: summary((p, m, bool(tiers))) for p in ("kv_events", "cache_aware", "round_robin")}
+            results["serve_prefix_affinity"] = summary(("serve_prefix_affinity", 0, bool(tiers)))
+            exact = results["kv_events"]
+            print(f"churn      {m} front ends, {pacing}{tier_note}{note}: {line(results)}  |  "
+                  f"{_churn_floors(exact, results)}  |  any router's hit rate <= {optimal:.0%} (optimal eviction), "
+                  f"one LRU cache: {lru:.0%}", flush=True)
+            rows = [(f"kv_events{tier_note}", ("kv_events", m, bool(tiers)))]
+            if tiers:
+                rows += [("serve_prefix_affinity, no tier", ("serve_prefix_affinity", 0, False)),
+                         ("cache_aware, no tier", ("cache_aware", m, False))]
+            print(f"churn      {m} front ends, {pacing}{note}, requests by hit: "
+                  + "  ".join(by_hit(label, key) for label, key in rows), flush=True)
+            if tiers:
+                pool_only = {"serve_prefix_affinity": summary(("serve_prefix_affinity", 0, False)),
+                             "cache_aware": summary(("cache_aware", m, False))}
+                pool_optimal, pool_lru = ceilings(1.0)
+                print(f"churn      {m} front ends, {pacing}{note}, kv_events with the host tier {hicache_ratio:g}x vs "
+                      f"routing alone (no tier): {line(pool_only)}  |  {_churn_floors(exact, pool_only)}  |  "
+                      f"without the tier any router's hit rate <= {pool_optimal:.0%}, one LRU cache: {pool_lru:.0%}",
+                      flush=True)
+
+    runs = []
+    for r in range(repeat):
+        runs.append(run_once())
+        report(runs[-1], 1, f", run {r + 1} of {repeat}" if repeat > 1 else "")
+    pooled = {key: (sum(run[key][0] for run in runs), [t for run in runs for t in run[key][1]],
+                    statistics.fmean(run[key][2] for run in runs), [c for run in runs for c in run[key][3]])
+              for key in runs[0]}
+    if repeat > 1:
+        report(pooled, repeat, f", {repeat} runs pooled")
     if tiers and plot_path:
-        plot_ttft_cdfs(ttft_dists, plot_path, f"churn, {frontends[0]} front ends, {pacing}, host tier {hicache_ratio:g}x "
-                       "(or none)")
+        m = frontends[0]
+        dists = {f"{policy}, host tier": pooled[policy, m, True][1]
+                 for policy in ("kv_events", "cache_aware", "round_robin")}
+        dists["serve_prefix_affinity, host tier"] = pooled["serve_prefix_affinity", 0, True][1]
+        dists["serve_prefix_affinity, no tier"] = pooled["serve_prefix_affinity", 0, False][1]
+        dists["cache_aware, no tier"] = pooled["cache_aware", m, False][1]
+        runs_note = f", {repeat} runs pooled" if repeat > 1 else ""
+        plot_ttft_cdfs(dists, plot_path, f"churn, {m} front ends, {pacing}, host tier {hicache_ratio:g}x "
+                       f"(or none){runs_note}")
         print(f"churn      plot: {plot_path}", flush=True)
 
 
@@ -316,7 +359,7 @@ def case_churn_low(path: str, scale: float) -> None:
     for m in (1, 2):
         hits = {}
         for policy in ("kv_events", "cache_aware", "least_load", "round_robin"):
-            _, _, hits[policy] = _fleet_run(path, LOW_POOL, prompts, outs, 1, policy, m)
+            _, _, hits[policy], _ = _fleet_run(path, LOW_POOL, prompts, outs, 1, policy, m)
         best = max(hits, key=hits.get)
         print(f"churn_low  {m} front end{'s' if m > 1 else ''}, one request at a time: "
               + "  ".join(f"{p} hit={h:.0%}" for p, h in hits.items())
@@ -355,10 +398,11 @@ def _engine_hit_rate(engines: list) -> float:
 
 def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], in_flight: int, policy: str,
                frontends: int, arrivals: list[float] | None = None,
-               engine: dict | None = None) -> tuple[float, list[float], float]:
+               engine: dict | None = None) -> tuple[float, list[float], float, list[float]]:
     """The workload through `frontends` front ends (Clusters following one engine fleet, as the
     HTTP app's replicas do), requests dealt to them in turn: wall time, TTFTs, the engines'
-    actual hit rate. Closed loop (in_flight at once; 1: one request at a time over all the front
+    actual hit rate, and each request's share of prompt tokens served from cache (aligned with
+    the TTFTs). Closed loop (in_flight at once; 1: one request at a time over all the front
     ends, in order), or open loop: request i sent at arrivals[i] seconds, its TTFT counted from
     then. engine: EngineConfig fields beyond the pool size."""
     from ray import serve
@@ -371,38 +415,39 @@ def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], 
             while len(cl.healthy()) < 2:
                 time.sleep(0.1)
 
-        async def part(cl: Cluster, share: list[tuple[list[int], int, float]], start: float) -> list[float]:
+        async def part(cl: Cluster, share: list[tuple[list[int], int, float]], start: float) -> list[tuple[float, float]]:
             gate = _Gate(max(1, in_flight // frontends), start, arrivals is not None)
 
-            async def one(ids: list[int], n: int, at: float) -> float:
+            async def one(ids: list[int], n: int, at: float) -> tuple[float, float]:
                 async with gate.slot(at) as t0:
-                    first, got = None, 0
+                    first, got, cached = None, 0, 0
                     params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
                     async for d in cl.stream_ids(ids, params):
                         got += len(d.token_ids)
+                        cached = max(cached, d.cached_tokens)
                         if first is None and d.token_ids:
                             first = time.perf_counter() - t0
                     assert got == n, "a request skipped work"
-                    return first
+                    return first, cached / len(ids)
 
             return list(await asyncio.gather(*(one(*w) for w in share)))
 
         work = list(zip(prompts, outs, arrivals or [0.0] * len(prompts)))
         t0 = time.perf_counter()
         if in_flight == 1 and arrivals is None:  # each request after the previous one ended
-            ttfts = [t for k, w in enumerate(work) for t in asyncio.run_coroutine_threadsafe(
+            timings = [t for k, w in enumerate(work) for t in asyncio.run_coroutine_threadsafe(
                 part(fronts[k % frontends], [w], t0), fronts[k % frontends]._loop).result()]
         else:
             futures = [asyncio.run_coroutine_threadsafe(part(cl, work[i::frontends], t0), cl._loop)
                        for i, cl in enumerate(fronts)]
-            ttfts = [t for f in futures for t in f.result()]
+            timings = [t for f in futures for t in f.result()]
         dt = time.perf_counter() - t0
         hit = _engine_hit_rate(engines)
     finally:
         for cl in fronts:
             cl.shutdown()
         serve.delete("bench-fleet")
-    return dt, ttfts, hit
+    return dt, [t for t, _ in timings], hit, [c for _, c in timings]
 
 
 @functools.cache
@@ -446,10 +491,10 @@ def poisson_arrivals(rate: float, n: int, seed: int = 7) -> list[float]:
 
 def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], in_flight: int,
                       router_class: str, arrivals: list[float] | None = None,
-                      engine: dict | None = None) -> tuple[float, list[float], float]:
+                      engine: dict | None = None) -> tuple[float, list[float], float, list[float]]:
     """The churn workload through Serve's handle path with one of Serve's request routers: two
-    EngineServer replicas (engines as in engine_cfg), one stream per request; paced as in
-    _fleet_run."""
+    EngineServer replicas (engines as in engine_cfg), one stream per request; paced, and
+    returned, as in _fleet_run."""
     from ray import serve
 
     from actors.protocol import decode_delta
@@ -458,29 +503,30 @@ def _serve_router_run(path: str, pool: int, prompts: list[list[int]], outs: list
     _, engines = _deploy_engines(path, pool, "bench-router", router_class, engine)
     handle = serve.get_deployment_handle("EngineServer", "bench-router")
 
-    async def run() -> tuple[float, list[float]]:
+    async def run() -> tuple[float, list[tuple[float, float]]]:
         gate = _Gate(in_flight, time.perf_counter(), arrivals is not None)
 
-        async def one(ids: list[int], n: int, at: float) -> float:
+        async def one(ids: list[int], n: int, at: float) -> tuple[float, float]:
             async with gate.slot(at) as t0:
                 call = GenerateCall(rid=os.urandom(8).hex(), input_ids=ids, prompt="".join(chr(0x100 + t) for t in ids),
                                     sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-                first, got = None, 0
+                first, got, cached = None, 0, 0
                 async for item in handle.options(stream=True).generate.remote(call):
                     d = decode_delta(item)
                     got += len(d.token_ids)
+                    cached = max(cached, d.cached_tokens)
                     if first is None and d.token_ids:
                         first = time.perf_counter() - t0
                 assert got == n, "a request skipped work"
-                return first
+                return first, cached / len(ids)
 
-        ttfts = await asyncio.gather(*(one(*w) for w in zip(prompts, outs, arrivals or [0.0] * len(prompts))))
-        return time.perf_counter() - gate.start, list(ttfts)
+        timings = await asyncio.gather(*(one(*w) for w in zip(prompts, outs, arrivals or [0.0] * len(prompts))))
+        return time.perf_counter() - gate.start, list(timings)
 
-    dt, ttfts = asyncio.run(run())
+    dt, timings = asyncio.run(run())
     hit = _engine_hit_rate(engines)
     serve.delete("bench-router")
-    return dt, ttfts, hit
+    return dt, [t for t, _ in timings], hit, [c for _, c in timings]
 
 
 def case_http(path: str, scale: float) -> None:
@@ -992,6 +1038,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="churn: open loop, requests arriving at this rate (Poisson, per second); default: closed loop")
     ap.add_argument("--hicache-ratio", type=float, default=None,
                     help="churn: give every engine a host KV tier of this many times its pool (e.g. 4); default: none")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="churn: run the whole comparison this many times, then report every run pooled")
     ap.add_argument("--churn-plot", default="",
                     help="churn with --hicache-ratio: where to write the TTFT distributions' PNG (matplotlib; "
                     "docs/images/churn_tiers_ttft.png is the one docs/BENCHMARKS.md shows); default: none")
@@ -1030,7 +1078,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         if name == "churn":
             case_churn(path, scale, frontends=tuple(int(m) for m in args.frontends.split(",")), rate=args.rate,
-                       hicache_ratio=args.hicache_ratio, plot_path=args.churn_plot or None)
+                       hicache_ratio=args.hicache_ratio, plot_path=args.churn_plot or None, repeat=args.repeat)
             continue
         CASES[name](path, scale)
     if ray.is_initialized():
