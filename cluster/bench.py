@@ -83,14 +83,8 @@ from cluster.bench_lora import case_lora
 from cluster.bench_pd import case_pd, percentile
 from cluster.stats import ClusterStats
 from engine import SamplingParams
-from engine.bench import BENCH_ARCH, bench_model_path
+from engine.bench import BENCH_ARCH, bench_model_path, bench_moe_model_path
 from engine.bench_common import random_prompts
-from engine.builtin_model import cached_random_checkpoint, moe_config
-
-# About 75M parameters: 50M in the experts (8 layers x 8 experts x 3 x 512 x 512), 25M dense
-# (a tied 32000-token embedding, attention).
-BENCH_MOE_ARCH = dict(BENCH_ARCH, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512,
-                      norm_topk_prob=True)
 
 
 def mixed_workload(scale: float) -> tuple[list[list[int]], list[int]]:
@@ -218,7 +212,7 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
     baselines: routing alone), and prints the ceiling of each (Belady over the KV of both tiers).
     repeat: the whole comparison that many times, each run's lines printed; with more than one,
     the lines again over every run pooled (TTFTs of all runs, mean hit rate, tok/s over the
-    summed wall time): one run's p90 of 192 requests moves by a third between runs here."""
+    summed wall time): one run's p90 moves a lot between runs."""
     prompts, outs, order = churn_workload(scale)
     tiers = {} if hicache_ratio is None else {"enable_hierarchical_cache": True, "hicache_ratio": hicache_ratio}
     arrivals = poisson_arrivals(rate, len(prompts)) if rate else None
@@ -628,11 +622,6 @@ def case_dp(path: str, scale: float) -> None:
     print(f"dp         group_step={1e3 * group_step:.1f} ms  single_step={1e3 * single_step:.1f} ms  "
           f"ratio={group_step / single_step:.2f}x  collectives={1e3 * coll:.1f} ms/step  "
           f"one-sided: member0={modes[0]} member1={modes[1]}", flush=True)
-
-
-def bench_moe_model_path() -> str:
-    """The moe case's random Qwen3-MoE (built once, cached)."""
-    return cached_random_checkpoint("bench-qwen3moe-75m-v1", moe_config(**BENCH_MOE_ARCH), std=0.02)
 
 
 def case_moe(path: str, scale: float) -> None:
@@ -1055,6 +1044,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.frontend_child:
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
         result = frontend_child(args.frontend_child, args.model, args.scale, args.stream_interval_s)

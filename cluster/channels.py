@@ -144,7 +144,8 @@ async def consume_outputs(slot: EngineSlot, i: int, consumer: str, channels: Cha
             log.warning("output stream of engine %d broke: %s", i, type(e).__name__)
         # Doom only requests taken by an instance that is gone: a break noticed late, after
         # Ray restarted the engine, must not fail requests the new instance holds. Nor those
-        # routed here after the break: a submit to the dead instance raises in its own stream.
+        # routed here after the break was noticed: a submit to the dead instance raises in its
+        # own stream.
         with channels.lock:
             before = set(channels.on_engine_locked(i))
         try:

@@ -29,6 +29,8 @@ Cases (same machine, same weights, float32, greedy, ignore_eos):
   quant       SmolLM2-135M-Instruct from its GGUF file as F32, BF16, Q4_1 (kept quantized), int8 and
               int4: decode tok/s at batch 1, 8, 32, prefill, bytes read per step (engine/bench_quant.py);
               with --llama-cpp DIR, llama.cpp on the same file.
+  quant_moe   a random 75M Qwen3-MoE (8 experts, top 2) as float32, int8 and int4, experts kept
+              quantized: decode tok/s at batch 1, 8, 32 and weight bytes (engine/bench_quant.py).
   split       a stream decoding while 1,000- and 4,000-token prompts arrive: the stream's longest
               gap and p99 ITL, each prompt's TTFT and prefill tok/s, unsplit vs chunked (512) vs
               split prefill; the ITL distributions as a PNG (engine/bench_split.py).
@@ -73,13 +75,14 @@ from engine.bench_common import (
 from engine.bench_dllm import case_dllm
 from engine.bench_hicache import case_hicache
 from engine.bench_lora import case_lora
-from engine.bench_quant import case_quant
+from engine.bench_quant import case_quant, case_quant_moe
 from engine.bench_split import case_split
 from engine.bench_tp import case_tp
 from engine.builtin_model import (
     byte_level_tokenizer,
     cached_random_checkpoint,
     llama_config,
+    moe_config,
     write_checkpoint,
 )
 from kernels.cpu_linear import Linear, onednn_linear_works
@@ -87,6 +90,10 @@ from kernels.cpu_linear import Linear, onednn_linear_works
 BENCH_ARCH = dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
                   tie_word_embeddings=True)
+# About 75M parameters: 50M in the experts (8 layers x 8 experts x 3 x 512 x 512), 25M dense
+# (a tied 32000-token embedding, attention).
+BENCH_MOE_ARCH = dict(BENCH_ARCH, head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512,
+                      norm_topk_prob=True)
 # roofline_bs1: 21.7M parameters, 87 MB in fp32 (12.3M of them the tied embedding / lm_head).
 ROOFLINE_ARCH = dict(vocab_size=32000, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048,
@@ -99,6 +106,11 @@ OVERHEAD_ARCH = dict(ROOFLINE_ARCH, vocab_size=256, hidden_size=16, intermediate
 def bench_model_path() -> str:
     """The ~50M-parameter random Llama used by every case (built once, cached)."""
     return cached_random_checkpoint("bench-llama-50m-v1", llama_config(**BENCH_ARCH), std=0.02)
+
+
+def bench_moe_model_path() -> str:
+    """The random Qwen3-MoE of the quant_moe case and of the cluster bench's moe case (cached)."""
+    return cached_random_checkpoint("bench-qwen3moe-75m-v1", moe_config(**BENCH_MOE_ARCH), std=0.02)
 
 
 def layer_skip_draft(path: str, layers: int) -> str:
@@ -469,7 +481,8 @@ def case_roofline_bs1(path: str, scale: float) -> None:
 CASES = {"mixed": case_mixed, "prefill": case_prefill, "prefix": case_prefix, "overhead": case_overhead, "roofline": case_roofline,
          "overlap": case_overlap, "linear": case_linear, "spec": case_spec, "structured": case_structured,
          "roofline_bs1": case_roofline_bs1, "quant": case_quant, "split": case_split,
-         "dllm": case_dllm, "tp": case_tp, "hicache": case_hicache, "lora": case_lora}
+         "dllm": case_dllm, "tp": case_tp, "hicache": case_hicache, "lora": case_lora,
+         "quant_moe": lambda path, scale: case_quant_moe(bench_moe_model_path(), scale)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,12 @@ int8 is Q8_0's scheme, int4 Q4_1's), side by side in one run: decode tok/s at ba
 step reads and those bytes over the step time against this machine's measured read bandwidth.
 With `--llama-cpp DIR` (a llama.cpp build: `llama-bench`, `llama-batched-bench`) llama.cpp runs
 the same file in the same process tree, after the engine, with the same thread count and
-repacking off (`--no-repack`; reported to crash on Q4_1 with AMX, which this machine lacks)."""
+repacking off (`--no-repack`; reported to crash on Q4_1 with AMX, which this machine lacks).
+
+`--cases quant_moe`: a random Qwen3-MoE (the cluster bench's, about 75M parameters, 50M of them
+in 8 experts of 8 layers, top 2) as float32 and quantized at load to int8 and int4, experts
+included (kept quantized: one quantized GEMM pair per active expert): decode tok/s at batch 1, 8
+and 32 and the weight bytes, side by side in one run."""
 
 from __future__ import annotations
 
@@ -93,3 +98,25 @@ def case_quant(path: str, scale: float, llama_cpp: str | None = None) -> None:
             if "decode_tg128" in rate:
                 line("quant", "Q4_1 bs=1 radixray", results[1]["Q4_1"]["decode"], "llama.cpp", rate["decode_tg128"],
                      "decode tok/s", "(llama-bench tg128, --repack 0, 5 repetitions)")
+
+
+MOE_CONFIGS = {"F32": {"quantization": "none"}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
+
+
+def case_quant_moe(path: str, scale: float) -> None:
+    """The MoE model at `path` as float32, int8 and int4 (module docstring)."""
+    weight_bytes = {}
+    for name, kw in MOE_CONFIGS.items():
+        eng = Engine(model_path=path, max_total_tokens=4096, **kw)
+        weight_bytes[name] = eng.model_runner.model.weight_bytes()
+        del eng
+        gc.collect()
+    out_len, rounds = (128, 2) if scale >= 1 else (16, 1)
+    for bs in (1, 8, 32):
+        r = decode_rates(path, bs, out_len, rounds, MOE_CONFIGS)
+        for name in MOE_CONFIGS:
+            print(f"quant_moe  bs={bs:<2} {name:4}: decode {r[name]['decode']:8.1f} tok/s, {r[name]['step_ms']:7.2f} "
+                  f"ms/step, prefill {r[name]['prefill']:8.0f} tok/s, weights {weight_bytes[name] / 1e6:6.1f} MB",
+                  flush=True)
+        for name in ("int8", "int4"):
+            line("quant_moe", f"{name} bs={bs}", r[name]["decode"], "F32", r["F32"]["decode"], "decode tok/s")

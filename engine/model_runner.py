@@ -163,7 +163,7 @@ class ModelRunner:
         # CUDA graphs is not wired here yet.
         self.graph_collectives: GraphCollectives | None = None
         if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1 and self.tp_size == 1
-                and self.attn_backend.graph_safe):  # a backend that is not graph-safe runs eagerly
+                and self.attn_backend.graph_safe and self.model.cuda_graph_safe):  # else eagerly
             from engine.cuda_graph import CudaGraphRunner
 
             verify_width = 1 + config.speculative_num_draft_tokens if config.speculative_algorithm else 0

@@ -5,8 +5,12 @@ its slice [lo, hi) computes (the members' partial down updates add up in the MLP
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from typing import TYPE_CHECKING
+
 from engine.lora.adapter import LoRAModule, target_shapes
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 
 class MLPSliceShards:

@@ -270,6 +270,8 @@ class LoRAManager:
             except LoRAAdapterError as e:  # at start a bad adapter is a configuration error
                 raise ConfigError(str(e)) from e
         if fixed_slots:
+            if not paths:
+                raise ConfigError("attention-DP serves the adapters of lora_paths only (no run-time loads): give them")
             if len(paths) > min(self.max_loras_per_batch, self.max_loaded_loras):
                 raise ConfigError(
                     f"attention-DP holds every adapter in a slot: {len(paths)} adapters in lora_paths need "

@@ -63,9 +63,10 @@ class CausalLM:
       MLP) and all-gathers the vocabulary-parallel logits, so every rank returns the same logits.
     - `scale`: the softmax scale the attention backend applies.
     - `mlp_comm`: None, or set by attention-DP after construction. Every layer then runs its MLP
-      through `MLP.split_forward(x, mlp_comm)`: a split MLP passes its input through
-      `mlp_comm.gather` (all members' rows) and its partial output through
-      `mlp_comm.reduce_scatter` (summed, back to this member's rows); one held whole runs alone.
+      through `MLP.split_forward(x, mlp_comm, lora, group_lora)`: a split MLP passes its input
+      through `mlp_comm.gather` (all members' rows; with adapters, `group_lora` their slots from
+      `mlp_comm.gather_lora`) and its partial output through `mlp_comm.reduce_scatter` (summed,
+      back to this member's rows); one held whole runs alone.
     - `num_parameters()`: parameters this member holds (its MLP shard only).
     - `expert_tokens`: None for a dense model; for an MoE model an int64 [num_experts] tensor on
       the device: the (token, expert) routings of every forward, summed over layers (a token
@@ -82,6 +83,11 @@ class CausalLM:
     # (engine/cpu_graph.py, torch.compile with fullgraph) can hold it.
     cpu_graph_safe: bool = False
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a forward may be captured in a CUDA graph (nothing in it waits on the device)."""
+        return True
+
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
                  linear: LinearKind = "torch", moe_split: MoESplit = "experts", tp: TPGroup | None = None) -> None:
@@ -94,7 +100,9 @@ class CausalLM:
         self.tp_reduce = self.tp if self.tp.tp_size > 1 else None
         self.scale = cfg.head_dim ** -0.5
         self.mlp_comm = None
-        self.lora_attached = False  # adapter slots given to the projections (attach_lora)
+        # Adapter slots given to a split MLP (attach_lora under attention-DP): it adapts the
+        # group's gathered rows.
+        self.lora_split_mlp = False
 
     def forward(self, fb: ForwardBatch, attn) -> torch.Tensor:
         raise NotImplementedError

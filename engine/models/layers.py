@@ -213,6 +213,11 @@ def _rows(w: torch.Tensor | QuantWeight, lo: int, hi: int) -> torch.Tensor | Qua
     return w.select_rows(slice(lo, hi)) if isinstance(w, QuantWeight) else w[lo:hi]
 
 
+def _splits_cleanly(w: QuantWeight, lo: int, hi: int) -> bool:
+    """Whether input columns [lo, hi) of `w` can be taken in its block format."""
+    return w.perm is None and all(c % w.group_size == 0 and c % 32 == 0 for c in (lo, hi))
+
+
 def _cols(w: torch.Tensor | QuantWeight, lo: int, hi: int) -> torch.Tensor | QuantWeight:
     if not isinstance(w, QuantWeight):
         return w[:, lo:hi].contiguous()
@@ -317,13 +322,19 @@ class MoEMLP:
                 raise ConfigError("under moe_split='experts' the shared expert is held whole")
         else:
             lo, hi = shard_range(hi, shard)
+        if quantized and (lo, hi) != (0, gate[0].shape[0]) and not all(_splits_cleanly(d, lo, hi) for d in down):
+            # a slice of down's input inside a quantization group (or act-order's spread groups):
+            # the experts as float, as unquantized experts load
+            gate, up, down = (torch.stack([w.dequantize(router.dtype) for w in t]) for t in (gate, up, down))
+            quantized = False
         self.router = Linear(router, kind=linear)
         self.fused = (not quantized and gate.device.type == "cuda") if fused is None else fused
         if quantized:
             if self.fused:
                 raise ConfigError("the fused MoE kernel takes float experts; quantized ones run grouped")
-            self.experts = [(QuantLinear([_rows(g, lo, hi), _rows(u, lo, hi)]), QuantLinear(_cols(d, lo, hi)))
-                            for g, u, d in zip(gate, up, down)]
+            whole = (lo, hi) == (0, gate[0].shape[0])  # (no slice: no copy)
+            self.experts = [(QuantLinear([g, u] if whole else [_rows(g, lo, hi), _rows(u, lo, hi)]),
+                             QuantLinear(d if whole else _cols(d, lo, hi))) for g, u, d in zip(gate, up, down)]
             self.expert_numel = sum(a.numel() + b.numel() for a, b in self.experts)
         else:
             w13 = torch.cat([gate[:, lo:hi], up[:, lo:hi]], dim=1)  # per expert: gate rows, then up rows

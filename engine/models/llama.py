@@ -82,7 +82,7 @@ class LlamaForCausalLM(CausalLM):
         """Give each layer's projections their LoRA slots: `weights(layer, group)` for the groups
         qkv_proj, o_proj, gate_up_proj, down_proj (engine.lora.LoRAMemoryPool.weights). A layer
         whose MLP is not a GatedMLP (MoE) keeps an unadapted MLP."""
-        self.lora_attached = True
+        self.lora_split_mlp = any(isinstance(layer.mlp, GatedMLP) and layer.mlp.sharded for layer in self.layers)
         for i, layer in enumerate(self.layers):
             if type(layer.attn).unroped_qkv is not Attention.unroped_qkv:
                 raise ConfigError(f"{type(self).__name__}'s attention cannot take LoRA adapters yet")
@@ -140,9 +140,9 @@ class LlamaForCausalLM(CausalLM):
                                        tail_lora[j] if tail_lora else None, group_lora)
 
     def gather_lora(self, info: LoRABatchInfo | None, rows: int) -> LoRABatchInfo | None:
-        """Under attention-DP with adapters: every member's rows' adapters (a collective every
-        member makes each forward, whether its own rows have adapters or not)."""
-        if not self.lora_attached:
+        """Under attention-DP with adapters on a split MLP: every member's rows' adapters (a
+        collective every member makes each forward, whether its own rows have adapters or not)."""
+        if not self.lora_split_mlp:
             return None
         return self.mlp_comm.gather_lora(info, rows)
 

@@ -29,6 +29,12 @@ class SparseMoeCausalLM(LlamaForCausalLM):
     moe_prefix = "mlp."
     expert_names = ("gate_proj", "up_proj", "down_proj")
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Only with every MoE layer in the fused kernel: the grouped path (quantized experts)
+        reads routing counts on the host."""
+        return all(layer.mlp.fused for layer in self.layers if isinstance(layer.mlp, MoEMLP))
+
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int, mlp_shard: tuple[int, int] = (0, 1),
                  linear: LinearKind = "torch", moe_split: MoESplit = "experts", tp: TPGroup | None = None) -> None:

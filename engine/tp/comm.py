@@ -46,12 +46,13 @@ def make_store(init_method: str, tp_rank: int, tp_size: int, timeout_s: float = 
     raise ValueError(f"init_method must be tcp://host:port or file:///path, got {init_method!r}")
 
 
-def serve_store(host: str, tp_size: int, timeout_s: float = 30.0) -> tuple[dist.Store, str]:
-    """Rank 0's TCPStore on a port the OS picks, bound before any other rank is told where it
-    is (a port probed free and bound later can be taken in between); returns the store and the
-    `tcp://host:port` init method for the other ranks."""
+def serve_store(host: str, world: int, timeout_s: float = 30.0) -> tuple[dist.Store, str]:
+    """Rank 0's TCPStore for a group of `world` (a TP engine's ranks, an attention-DP group) on a
+    port the OS picks, bound before any other rank is told where it is (a port probed free and
+    bound later can be taken in between); returns the store and the `tcp://host:port` init
+    method for the other ranks."""
     store = dist.TCPStore(
-        host, 0, tp_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        host, 0, world, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
     return store, f"tcp://{host}:{store.port}"
 

@@ -112,6 +112,8 @@ def _cols(w: Weight, lo: int, hi: int, name: str) -> Weight:
         try:
             return _own_quant(w.select_cols(lo, hi))
         except ValueError as e:
+            if ".experts." in name:  # an expert is small: its slice as float, as unquantized experts load
+                return _own(w.dequantize()[:, lo:hi])
             raise ConfigError(
                 f"{name}: the row-parallel split [{lo}, {hi}) of its {w.in_features} input "
                 f"columns falls inside a quantization group of {w.group_size} (a tp_size "

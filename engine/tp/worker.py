@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.builtin_model import builtin_model_path
 from engine.config import EngineConfig
@@ -87,7 +88,7 @@ class TPWorker:
 
 
 def rank0_engine(
-    config: EngineConfig, store: Any, timeout_s: float = 30.0, **kwargs: Any
+    config: EngineConfig, store: dist.Store, timeout_s: float = 30.0, **kwargs: Any
 ) -> Engine:
     """Rank 0 of a tensor-parallel engine: the Engine (scheduler, sampler, outputs) over the group
     whose rendezvous `store` rank 0 serves (`engine.tp.comm.serve_store`; the other ranks join its

@@ -107,10 +107,17 @@ def test_group_with_adapters_matches_one_engine(model_dirs, adapters, mode):
     if mode == "chunked":
         kw |= dict(chunked_prefill_size=16, enable_mixed_chunk=True)
     single = Engine(model_path=path, **kw)
-    ids = prompts(single, 8, seed=41, lo=5, hi=40)
-    names = ["all8", "mlp4", None, "all8", "mlp4", "mlp4", None, "all8"]
+    # Two long prompts (one per member): the group's gathered prefill rows pass a CPU row block,
+    # so the split MLP adapts them block by block.
+    ids = prompts(single, 8, seed=41, lo=5, hi=40) + prompts(single, 2, seed=42, lo=300, hi=320)
+    names = ["all8", "mlp4", None, "all8", "mlp4", "mlp4", None, "all8", "mlp4", "all8"]
     ref = [single.generate(input_ids=x, sampling_params=msgspec.structs.replace(GREEDY, logprobs=True, top_logprobs=2),
                            lora_name=n) for x, n in zip(ids, names)]
+    base = single.generate(input_ids=ids, sampling_params=GREEDY)
+    # Each adapter changes what its requests decode (the MLP-only one too): the comparison below
+    # tests the adapters' updates, not only the base model's.
+    for name in ("all8", "mlp4"):
+        assert any(r.token_ids != b.token_ids for r, b, n in zip(ref, base, names) if n == name), name
     with dp_group(path, **kw) as members:
         for got, want in zip(run(members, ids, names, GREEDY), ref):
             assert got.finish_reason == "length", got.error

@@ -143,16 +143,19 @@ def test_group_serves_lora_adapters(clusters, model_dirs, tmp_path_factory):
         "mlp4": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"])}, seed=42)
     clusters.configs["llama-lora"] = ClusterConfig(model_path=path, routing="round_robin", enable_dp_attention=True,
                                                    num_engines=2, engine={"lora_paths": folders})
-    cl = clusters.get("llama-lora")
     engine = Engine(model_path=path, lora_paths=folders)
     ids = prompts_for(engine.model_config.vocab_size, 6, seed=13)
     names = ["all8", None, "mlp4", "all8", "mlp4", None]
     params = msgspec.structs.replace(GREEDY, logprobs=True, top_logprobs=2)
     ref = [engine.generate(input_ids=x, sampling_params=params, lora_name=n) for x, n in zip(ids, names)]
-    for got, want in zip(cl.generate(input_ids=ids, sampling_params=GREEDY, lora_name=names), ref):
-        assert got.finish_reason == "length", got.error
-        assert_greedy_agrees(got.token_ids, want)
-    clusters.close("llama-lora")  # (its two engines make room for the next tests' groups)
+    engine.shutdown()
+    cl = clusters.get("llama-lora")
+    try:
+        for got, want in zip(cl.generate(input_ids=ids, sampling_params=GREEDY, lora_name=names), ref):
+            assert got.finish_reason == "length", got.error
+            assert_greedy_agrees(got.token_ids, want)
+    finally:
+        clusters.close("llama-lora")  # (its two engines make room for the next tests' groups)
 
 
 def test_prefill_beside_decode_and_chunked(clusters, single):
