@@ -171,7 +171,9 @@ class EngineActor:
         else:
             self.engine = Engine(config, mlp_shard=shard, kv_source=self.kv_source)
         self._kv_links: PrefillLinks | None = None  # a prefill engine's p2p links (on first use)
-        self._runtime_loras: dict[str, tuple[str, bool]] = {}  # loaded at run time: name -> (folder, pinned)
+        # Loaded at run time: name -> (folder, pinned, load id); the load ids unloaded here.
+        self._runtime_loras: dict[str, tuple[str, bool, str]] = {}
+        self._unloaded_loras: set[str] = set()
         # Evicted radix paths, for the routers' cache-aware trees (each reads them by heartbeat()).
         self._evicted = EvictionLog()
         self.engine.scheduler.cache.subscribe(self._on_kv_event, MEDIUMS)
@@ -298,40 +300,47 @@ class EngineActor:
         with self.engine.between_steps():
             names = lora.names()
             # (a copy taken at once: loads and unloads change the dict on other threads)
-            runtime = [(n, path, pinned) for n, (path, pinned) in list(self._runtime_loras.items()) if n in names]
-            return LoRAAdapters(names, lora.resident(), lora.max_loaded_loras, runtime)
+            runtime = [(n, *entry) for n, entry in list(self._runtime_loras.items()) if n in names]
+            return LoRAAdapters(names, lora.resident(), lora.max_loaded_loras, runtime, sorted(self._unloaded_loras))
 
     async def lora_adapters(self) -> bytes:
         """The adapters requests may name here, and those in host memory (a LoRAAdapters)."""
         return encode(await asyncio.to_thread(self._lora_adapters))
 
-    def _lora_update(self, op: str, name: str, path: str = "", pinned: bool = False) -> LoRAUpdate:
+    def _lora_update(self, op: str, name: str, path: str = "", pinned: bool = False,
+                     load_id: str = "") -> LoRAUpdate:
         try:
             if op == "load":
+                load_id = load_id or uuid.uuid4().hex
+                if load_id in self._unloaded_loras:  # a restore of a load unloaded here since
+                    return LoRAUpdate(self._lora_adapters(), error=f"LoRA adapter {name!r}: this load was unloaded")
                 # Recorded first, so no report lists the adapter without its folder (a report
                 # lists only served names); forgotten again if the load fails.
                 known = name in self._runtime_loras
-                self._runtime_loras.setdefault(name, (path, pinned))
+                self._runtime_loras.setdefault(name, (path, pinned, load_id))
                 try:
                     self.engine.load_lora_adapter(name, path, pinned)
                 except BaseException:
                     if not known:
                         self._runtime_loras.pop(name, None)
                     raise
-                self._runtime_loras[name] = (path, pinned)
+                self._runtime_loras[name] = (path, pinned, load_id)
                 return LoRAUpdate(self._lora_adapters())
             gone = self.engine.unload_lora_adapter(name)
-            self._runtime_loras.pop(name, None)
+            entry = self._runtime_loras.pop(name, None)
+            if entry is not None:
+                self._unloaded_loras.add(entry[2])
         except UnknownLoRAError as e:
             return LoRAUpdate(self._lora_adapters(), error=str(e), unknown=True)
         except LoRAAdapterError as e:  # the engine is unchanged
             return LoRAUpdate(self._lora_adapters(), error=str(e))
         return LoRAUpdate(self._lora_adapters(), draining=not gone)
 
-    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> bytes:
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False, load_id: str = "") -> bytes:
         """Load the PEFT adapter in folder `path` as `name` (a LoRAUpdate; a bad adapter is an
-        error in it). The files are read off the actor's event loop."""
-        return encode(await asyncio.to_thread(self._lora_update, "load", name, path, pinned))
+        error in it). `load_id`: the fleet-wide id of this load (the front end's; a new one if
+        empty), refused if it was unloaded here. The files are read off the actor's event loop."""
+        return encode(await asyncio.to_thread(self._lora_update, "load", name, path, pinned, load_id))
 
     async def unload_lora_adapter(self, name: str) -> bytes:
         """Unload adapter `name` (a LoRAUpdate): new requests naming it are refused; running ones

@@ -37,13 +37,16 @@ class LoRAAdapters(msgspec.Struct, frozen=True, array_like=True):
     """An engine's LoRA adapters: those requests may name, those in host memory (least recently
     used first; the others are read from their folder when a request needs them), and how many
     host memory holds (max_loaded_loras; 0: LoRA is off there). `runtime`: those of them loaded
-    at run time, as (name, folder, pinned): what an engine that joins the fleet loads too, from
-    whichever front end sees it join (the engines, not a front end, hold the fleet's list)."""
+    at run time, as (name, folder, pinned, load id): what an engine that joins the fleet loads
+    too, from whichever front end sees it join (the engines, not a front end, hold the fleet's
+    list). `unloaded`: the load ids unloaded here, which no engine may keep or load again (an
+    unload that missed an engine still joining, or a report read before the unload)."""
 
     names: list[str] = []
     resident: list[str] = []
     max_loaded: int = 0
-    runtime: list[tuple[str, str, bool]] = []
+    runtime: list[tuple[str, str, bool, str]] = []
+    unloaded: list[str] = []
 
 
 class LoRAUpdate(msgspec.Struct, frozen=True, array_like=True):

@@ -67,9 +67,11 @@ class Cluster:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()  # guards the router, the engine list and the channels
         self.channels = Channels(self._lock)
-        # Adapters loaded at run time through this cluster: name -> (folder, pinned), loaded
-        # again on an engine that joins or restarts (lora_paths adapters it loads by itself).
-        self._runtime_loras: dict[str, tuple[str, bool]] = {}
+        # Adapters loaded at run time through this cluster: name -> (folder, pinned, load id),
+        # loaded again on an engine that joins or restarts (lora_paths adapters it loads by
+        # itself); the load ids unloaded through it, which a joining engine must not keep.
+        self._runtime_loras: dict[str, tuple[str, bool, str]] = {}
+        self._unloaded_loras: set[str] = set()
         self._lora_updates = threading.Lock()  # one load or unload at a time: each is all or nothing
         self._lora_refreshed = 0.0
         self._adapter_syncs: dict[int, concurrent.futures.Future] = {}  # engine -> its first adapter sync
@@ -151,43 +153,59 @@ class Cluster:
 
     async def _sync_adapters(self, idx: int) -> None:
         """Load on engine idx the adapters loaded at run time that it lacks (through this front
-        end, or through any other: as the fleet's other engines report them now), then take its
-        adapters into the router's view."""
+        end, or through any other: as the fleet's other engines report them now), unload from it
+        those whose load was unloaded anywhere (an unload that missed it while it joined), then
+        take its adapters into the router's view."""
         engine = self.engines[idx]
         try:
             adapters = decode_lora_adapters(await engine.actor.lora_adapters.remote())
-            wanted = dict(self._runtime_loras)
             if adapters.max_loaded:
-                wanted.update({name: (path, pinned) for name, path, pinned in await self._fleet_runtime_loras(idx)
-                               if name not in wanted})
-            for name, (path, pinned) in wanted.items():
-                if adapters.max_loaded and name not in adapters.names:
-                    update = decode_lora_update(await engine.actor.load_lora_adapter.remote(name, path, pinned))
-                    if update.error:
-                        log.warning("engine %d could not load LoRA adapter %r again: %s", idx, name, update.error)
-                    adapters = update.adapters
+                adapters = await self._restore_adapters(idx, adapters)
         except Exception as e:  # gone again: the next recovery syncs it
             log.warning("could not read engine %d's LoRA adapters: %s", idx, type(e).__name__)
             return
         self._take_adapters(idx, adapters)
 
-    async def _fleet_runtime_loras(self, idx: int) -> list[tuple[str, str, bool]]:
-        """The adapters the other live engines report loaded at run time (asked now, so an
-        adapter unloaded meanwhile is not loaded again); the engines that do not answer within
-        LORA_REPORT_TIMEOUT_S (for all of them) add none."""
+    async def _restore_adapters(self, idx: int, adapters: LoRAAdapters) -> LoRAAdapters:
+        """_sync_adapters' changes on engine idx; its adapters after them. A load is known by its
+        fleet-wide id: the other engines' reports are read again after the loads, so an unload
+        that ran meanwhile (and missed this engine, not in its front end's list yet) is undone here."""
+        engine = self.engines[idx]
+        runtime, unloaded = await self._fleet_runtime_loras(idx)
+        wanted = {name: entry for name, entry in runtime.items()} | dict(self._runtime_loras)
+        for name, (path, pinned, load_id) in wanted.items():
+            if name not in adapters.names and load_id not in unloaded:
+                update = decode_lora_update(await engine.actor.load_lora_adapter.remote(name, path, pinned, load_id))
+                if update.error:
+                    log.warning("engine %d could not load LoRA adapter %r again: %s", idx, name, update.error)
+                adapters = update.adapters
+        _, unloaded = await self._fleet_runtime_loras(idx)
+        for name, _, _, load_id in adapters.runtime:
+            if load_id in unloaded:
+                adapters = decode_lora_update(await engine.actor.unload_lora_adapter.remote(name)).adapters
+        return adapters
+
+    async def _fleet_runtime_loras(self, idx: int) -> tuple[dict[str, tuple[str, bool, str]], set[str]]:
+        """The adapters the other live engines report loaded at run time (name -> (folder,
+        pinned, load id); asked now, so an adapter unloaded meanwhile is not loaded again) and the
+        load ids unloaded anywhere (theirs and this front end's); the engines that do not answer
+        within LORA_REPORT_TIMEOUT_S (for all of them) add none."""
         with self._lock:
             others = [e.actor for i, e in enumerate(self.engines) if i != idx and not e.retired]
+        runtime: dict[str, tuple[str, bool, str]] = {}
+        unloaded = set(self._unloaded_loras)
         refs = [asyncio.ensure_future(actor.lora_adapters.remote()) for actor in others]
         if not refs:
-            return []
+            return runtime, unloaded
         done, pending = await asyncio.wait(refs, timeout=LORA_REPORT_TIMEOUT_S)
         for fut in pending:
             fut.cancel()
-        found: list[tuple[str, str, bool]] = []
         for fut in done:
             with contextlib.suppress(Exception):
-                found += decode_lora_adapters(fut.result()).runtime
-        return found
+                report = decode_lora_adapters(fut.result())
+                runtime.update({name: (path, pinned, load_id) for name, path, pinned, load_id in report.runtime})
+                unloaded.update(report.unloaded)
+        return runtime, unloaded
 
     def _take_adapters(self, idx: int, adapters: LoRAAdapters) -> None:
         with self._lock:
@@ -337,8 +355,9 @@ class Cluster:
             self._load_lora_adapter(name, path, pinned)
 
     def _load_lora_adapter(self, name: str, path: str, pinned: bool) -> None:
+        load_id = uuid.uuid4().hex  # this load on every engine, fleet-wide (what an unload names)
         with self._lock:
-            live = [(i, e.actor.load_lora_adapter.remote(name, path, pinned))
+            live = [(i, e.actor.load_lora_adapter.remote(name, path, pinned, load_id))
                     for i, e in enumerate(self.engines) if not e.retired]
         loaded, error, unreachable = [], None, None
         for i, ref in live:
@@ -361,7 +380,7 @@ class Cluster:
                                                         timeout=LORA_CALL_TIMEOUT_S))
                     self._take_adapters(i, update.adapters)
             raise LoRAAdapterError(name, error.removeprefix(f"LoRA adapter {name!r}: "))
-        self._runtime_loras[name] = (path, pinned)
+        self._runtime_loras[name] = (path, pinned, load_id)
 
     def unload_lora_adapter(self, name: str) -> bool:
         """Unload adapter `name` from every engine: new requests naming it are refused; running
@@ -371,7 +390,9 @@ class Cluster:
             return self._unload_lora_adapter(name)
 
     def _unload_lora_adapter(self, name: str) -> bool:
-        self._runtime_loras.pop(name, None)
+        entry = self._runtime_loras.pop(name, None)
+        if entry is not None:
+            self._unloaded_loras.add(entry[2])
         with self._lock:
             live = [(i, e.actor.unload_lora_adapter.remote(name)) for i, e in enumerate(self.engines) if not e.retired]
         found, gone, unreachable = False, True, None

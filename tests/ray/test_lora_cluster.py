@@ -270,3 +270,31 @@ def test_a_restarted_engine_gets_the_adapters_another_front_end_loaded(clusters,
         assert got == want  # on the restarted engine itself
     finally:
         cl.unload_lora_adapter("extra")
+
+
+def test_an_unload_that_missed_a_joining_engine_is_undone_there(clusters, folders):
+    """A load is known fleet-wide by its id. An unload through another front end that missed an
+    engine (still joining, not in that front end's list yet) leaves the adapter there until a
+    front end syncs the engine: the sync unloads it, since another engine reports that load
+    unloaded; and that load is never restored on an engine that unloaded it."""
+    from actors.protocol import decode_lora_adapters, decode_lora_update
+
+    cl = clusters.get("lora")
+    cl.load_lora_adapter("extra", folders["extra"])
+    reports = [decode_lora_adapters(ray.get(cl.actors[i].lora_adapters.remote())) for i in range(2)]
+    (load_id,) = {entry[3] for r in reports for entry in r.runtime if entry[0] == "extra"}  # one id on both
+    # The other front end's unload reaches engine 0 only; this front end never sees it.
+    ray.get(cl.actors[0].unload_lora_adapter.remote("extra"))
+    assert load_id in decode_lora_adapters(ray.get(cl.actors[0].lora_adapters.remote())).unloaded
+    cl.run(cl._sync_adapters(1))  # engine 1 seen joining by this front end
+    assert "extra" not in decode_lora_adapters(ray.get(cl.actors[1].lora_adapters.remote())).names
+    assert not cl.router.serves(1, "extra")
+    # A restore of that load where it was unloaded is refused; a new load of the name is not.
+    stale = decode_lora_update(ray.get(cl.actors[0].load_lora_adapter.remote("extra", folders["extra"], False,
+                                                                             load_id)))
+    assert stale.error and "this load was unloaded" in stale.error
+    cl.load_lora_adapter("extra", folders["extra"])
+    try:
+        assert [s.engine.lora_adapters for s in cl.stats().engines] == [["a", "b", "extra"]] * 2
+    finally:
+        cl.unload_lora_adapter("extra")
