@@ -104,12 +104,7 @@ def test_qwen3_moe_experts_kept_quantized(gguf_dir, ggml_type):
     mlp = eng.model_runner.model.layers[0].mlp
     assert all(isinstance(p, QuantLinear) for pair in mlp.experts for p in pair)
     assert eng.model_runner.model.weight_bytes() < 0.6 * ref.model_runner.model.weight_bytes()
-    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1)
-    for p in prompts(eng, 3, seed=6, lo=20, hi=40):
-        a, b = (e.generate(input_ids=p, sampling_params=params).prompt_logprobs for e in (ref, eng))
-        err = max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:]))
-        assert err < 0.15, f"{ggml_type.name}: a prompt token's logprob moved by {err:.3f}"
-    eng.check_memory()
+    assert_logprobs_close(ref, eng, ggml_type, seed=6)
 
 
 @pytest.mark.parametrize("ggml_type", [t for t in TYPES if t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16)],
@@ -123,8 +118,14 @@ def test_kept_quantized_close_to_dequantized(gguf_dir, ggml_type):
     model = eng.model_runner.model
     assert isinstance(model.lm_head, QuantLinear) and isinstance(model.layers[0].mlp.down, QuantLinear)
     assert model.weight_bytes() < 0.6 * ref.model_runner.model.weight_bytes()
+    assert_logprobs_close(ref, eng, ggml_type, seed=4)
+
+
+def assert_logprobs_close(ref: Engine, eng: Engine, ggml_type: GGMLType, seed: int) -> None:
+    """Every prompt token's logprob under `eng` (kept quantized) within 0.15 of `ref`'s
+    (dequantized), on three random prompts; `eng` idle and clean after."""
     params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=1)
-    for p in prompts(eng, 3, seed=4, lo=20, hi=40):
+    for p in prompts(eng, 3, seed=seed, lo=20, hi=40):
         a, b = (e.generate(input_ids=p, sampling_params=params).prompt_logprobs for e in (ref, eng))
         err = max(abs(x.logprob - y.logprob) for x, y in zip(a[1:], b[1:]))
         assert err < 0.15, f"{ggml_type.name}: a prompt token's logprob moved by {err:.3f}"
