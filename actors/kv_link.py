@@ -6,14 +6,13 @@ prefill call's Ray result. The bytes are staged in host memory on CUDA engines t
 match sends and receives by order, not by tag).
 
 A link is set up lazily, on a decode engine's first fetch from that prefill engine: the decode
-side opens the store on a free port and waits for its peer on a thread of its own; the fetch
+side binds the store on a port the OS picks and waits for its peer on a thread of its own; the fetch
 carries the address, and the prefill side joins before it sends. A link that fails (its peer
 died, a transfer timed out) is dropped and the next fetch sets up a new one."""
 
 from __future__ import annotations
 
 import itertools
-import socket
 import threading
 from concurrent.futures import Future
 from datetime import timedelta
@@ -21,6 +20,8 @@ from datetime import timedelta
 import msgspec
 import torch
 import torch.distributed as dist
+
+from engine.tp.comm import make_store, serve_store
 
 
 class LinkAddress(msgspec.Struct, frozen=True, array_like=True):
@@ -34,10 +35,12 @@ class LinkAddress(msgspec.Struct, frozen=True, array_like=True):
 class KVLink:
     """One side of a two-rank group (rank 0: the decode engine, which hosts the store)."""
 
-    def __init__(self, address: LinkAddress, rank: int, timeout_s: float) -> None:
+    def __init__(self, address: LinkAddress, rank: int, timeout_s: float, store: dist.Store | None = None) -> None:
+        """`store`: rank 0's, already bound at `address` (`serve_address`); rank 1 joins it."""
         timeout = timedelta(seconds=timeout_s)
         self.address, self.rank = address, rank
-        self.store = dist.TCPStore(address.host, address.port, 2, rank == 0, timeout=timeout)
+        self.store = store if store is not None else make_store(
+            f"tcp://{address.host}:{address.port}", rank, 2, timeout_s)
         self.pg = dist.ProcessGroupGloo(self.store, rank, 2, timeout)
 
     def send(self, tensor: torch.Tensor, tag: int) -> None:
@@ -47,10 +50,10 @@ class KVLink:
         self.pg.recv([tensor], 1 - self.rank, tag).wait()
 
 
-def free_address(link_id: str, host: str) -> LinkAddress:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return LinkAddress(link_id, host, s.getsockname()[1])
+def serve_address(link_id: str, host: str, timeout_s: float) -> tuple[LinkAddress, dist.Store]:
+    """A new link's address and rank 0's store, bound there before the peer is told of it."""
+    store, _ = serve_store(host, 2, timeout_s)
+    return LinkAddress(link_id, host, store.port), store
 
 
 class DecodeLinks:
@@ -68,12 +71,12 @@ class DecodeLinks:
         """The link to `peer` (being set up, or up)."""
         with self._lock:
             if peer not in self._links:
-                address = free_address(f"{peer}#{next(self._ids)}", self.host)
+                address, store = serve_address(f"{peer}#{next(self._ids)}", self.host, self.timeout_s)
                 ready: Future = Future()
 
                 def open_link() -> None:
                     try:
-                        ready.set_result(KVLink(address, 0, self.timeout_s))
+                        ready.set_result(KVLink(address, 0, self.timeout_s, store))
                     except BaseException as e:  # the peer never came
                         ready.set_exception(e)
                         self.drop(peer, address)
