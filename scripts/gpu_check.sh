@@ -2,7 +2,7 @@
 # One prepared GPU check (no network needed; a few minutes on one GPU): the `gpu` tests (CUDA
 # parity in bf16 and fp32, Triton kernels on the device, CUDA-graph replay vs eager, overlap and
 # speculative verify batches on CUDA with n-gram and draft-model drafts, verify batches replayed as CUDA graphs, block-diffusion DLLM_EXTEND batches replayed as CUDA graphs, fused MoE,
-# quantized weights through the Triton kernel, the HiCache host tier's pinned copies) and the graph / roofline and quantized-GEMM micro-benchmarks. Record its output in docs/BENCHMARKS.md.
+# quantized weights through the Triton kernel, MoE experts kept quantized (grouped, no CUDA graphs), the HiCache host tier's pinned copies) and the graph / roofline and quantized-GEMM micro-benchmarks. Record its output in docs/BENCHMARKS.md.
 #   bash scripts/gpu_check.sh [OUT_DIR]     (after `bash scripts/gpu_wheels.sh` here; carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
