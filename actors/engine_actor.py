@@ -58,6 +58,9 @@ def _refused(rid: str, prompt_tokens: int) -> StreamDelta:
     return StreamDelta.aborted(rid, error="engine is draining", kind="draining", prompt_tokens=prompt_tokens)
 
 
+# Load ids unloaded that an engine remembers (and reports): enough for any join racing an unload.
+UNLOADED_LORAS_KEPT = 1024
+
 class _Channel:
     """One consumer's items, filled from any thread and drained by one async reader: one
     wake-up per burst of items, not one per item."""
@@ -171,9 +174,11 @@ class EngineActor:
         else:
             self.engine = Engine(config, mlp_shard=shard, kv_source=self.kv_source)
         self._kv_links: PrefillLinks | None = None  # a prefill engine's p2p links (on first use)
-        # Loaded at run time: name -> (folder, pinned, load id); the load ids unloaded here.
+        # Loaded at run time: name -> (folder, pinned, load id); the load ids unloaded here (the
+        # latest UNLOADED_LORAS_KEPT, oldest first); the lock orders a load's check and record.
         self._runtime_loras: dict[str, tuple[str, bool, str]] = {}
-        self._unloaded_loras: set[str] = set()
+        self._unloaded_loras: dict[str, None] = {}
+        self._lora_lock = threading.Lock()
         # Evicted radix paths, for the routers' cache-aware trees (each reads them by heartbeat()).
         self._evicted = EvictionLog()
         self.engine.scheduler.cache.subscribe(self._on_kv_event, MEDIUMS)
@@ -301,7 +306,7 @@ class EngineActor:
             names = lora.names()
             # (a copy taken at once: loads and unloads change the dict on other threads)
             runtime = [(n, *entry) for n, entry in list(self._runtime_loras.items()) if n in names]
-            return LoRAAdapters(names, lora.resident(), lora.max_loaded_loras, runtime, sorted(self._unloaded_loras))
+            return LoRAAdapters(names, lora.resident(), lora.max_loaded_loras, runtime, list(self._unloaded_loras))
 
     async def lora_adapters(self) -> bytes:
         """The adapters requests may name here, and those in host memory (a LoRAAdapters)."""
@@ -312,24 +317,30 @@ class EngineActor:
         try:
             if op == "load":
                 load_id = load_id or uuid.uuid4().hex
-                if load_id in self._unloaded_loras:  # a restore of a load unloaded here since
-                    return LoRAUpdate(self._lora_adapters(), error=f"LoRA adapter {name!r}: this load was unloaded")
-                # Recorded first, so no report lists the adapter without its folder (a report
-                # lists only served names); forgotten again if the load fails.
-                known = name in self._runtime_loras
-                self._runtime_loras.setdefault(name, (path, pinned, load_id))
+                with self._lora_lock:
+                    if load_id in self._unloaded_loras:  # a restore of a load unloaded here since
+                        return LoRAUpdate(self._lora_adapters(), error=f"LoRA adapter {name!r}: this load was unloaded")
+                    entry = self._runtime_loras.get(name)
+                    if entry is not None and entry[2] == load_id:  # this very load (a user's call and
+                        return LoRAUpdate(self._lora_adapters())  # a joining engine's sync), done or under way
+                    # Recorded first, so no report lists the adapter without its folder (a report
+                    # lists only served names); forgotten again if the load fails.
+                    self._runtime_loras.setdefault(name, (path, pinned, load_id))
                 try:
                     self.engine.load_lora_adapter(name, path, pinned)
                 except BaseException:
-                    if not known:
-                        self._runtime_loras.pop(name, None)
+                    with self._lora_lock:
+                        if self._runtime_loras.get(name, ("", False, ""))[2] == load_id:
+                            self._runtime_loras.pop(name)
                     raise
-                self._runtime_loras[name] = (path, pinned, load_id)
                 return LoRAUpdate(self._lora_adapters())
             gone = self.engine.unload_lora_adapter(name)
-            entry = self._runtime_loras.pop(name, None)
-            if entry is not None:
-                self._unloaded_loras.add(entry[2])
+            with self._lora_lock:
+                entry = self._runtime_loras.pop(name, None)
+                if entry is not None:
+                    self._unloaded_loras[entry[2]] = None
+                    while len(self._unloaded_loras) > UNLOADED_LORAS_KEPT:
+                        del self._unloaded_loras[next(iter(self._unloaded_loras))]
         except UnknownLoRAError as e:
             return LoRAUpdate(self._lora_adapters(), error=str(e), unknown=True)
         except LoRAAdapterError as e:  # the engine is unchanged

@@ -159,27 +159,43 @@ class Cluster:
         engine = self.engines[idx]
         try:
             adapters = decode_lora_adapters(await engine.actor.lora_adapters.remote())
-            if adapters.max_loaded:
-                adapters = await self._restore_adapters(idx, adapters)
         except Exception as e:  # gone again: the next recovery syncs it
             log.warning("could not read engine %d's LoRA adapters: %s", idx, type(e).__name__)
             return
+        if adapters.max_loaded:
+            try:
+                adapters = await self._restore_adapters(idx, adapters)
+            except Exception as e:  # the router still takes what the engine serves now
+                log.warning("could not bring engine %d's LoRA adapters up to date: %s", idx, type(e).__name__)
+                with contextlib.suppress(Exception):
+                    adapters = decode_lora_adapters(await engine.actor.lora_adapters.remote())
         self._take_adapters(idx, adapters)
 
     async def _restore_adapters(self, idx: int, adapters: LoRAAdapters) -> LoRAAdapters:
         """_sync_adapters' changes on engine idx; its adapters after them. A load is known by its
-        fleet-wide id: the other engines' reports are read again after the loads, so an unload
-        that ran meanwhile (and missed this engine, not in its front end's list yet) is undone here."""
+        fleet-wide id: loads unloaded anywhere go first (from the engine, and from this front
+        end's list), then the engine gets what it lacks (the fleet's current loads first, this
+        front end's own beside them), and the reports are read again after, so an unload that ran
+        meanwhile (and missed this engine, not in its front end's list yet) is undone here."""
         engine = self.engines[idx]
         runtime, unloaded = await self._fleet_runtime_loras(idx)
-        wanted = {name: entry for name, entry in runtime.items()} | dict(self._runtime_loras)
+        for name, entry in list(self._runtime_loras.items()):
+            if entry[2] in unloaded:  # unloaded through another front end
+                self._runtime_loras.pop(name, None)
+        adapters = await self._unload_stale(engine, adapters, unloaded)
+        wanted = dict(self._runtime_loras) | {n: e for n, e in runtime.items() if e[2] not in unloaded}
         for name, (path, pinned, load_id) in wanted.items():
-            if name not in adapters.names and load_id not in unloaded:
+            if name not in adapters.names:
                 update = decode_lora_update(await engine.actor.load_lora_adapter.remote(name, path, pinned, load_id))
                 if update.error:
                     log.warning("engine %d could not load LoRA adapter %r again: %s", idx, name, update.error)
                 adapters = update.adapters
         _, unloaded = await self._fleet_runtime_loras(idx)
+        return await self._unload_stale(engine, adapters, unloaded)
+
+    @staticmethod
+    async def _unload_stale(engine: EngineSlot, adapters: LoRAAdapters, unloaded: set[str]) -> LoRAAdapters:
+        """Unload from `engine` its run-time loads whose ids are in `unloaded`."""
         for name, _, _, load_id in adapters.runtime:
             if load_id in unloaded:
                 adapters = decode_lora_update(await engine.actor.unload_lora_adapter.remote(name)).adapters

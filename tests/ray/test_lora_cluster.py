@@ -298,3 +298,26 @@ def test_an_unload_that_missed_a_joining_engine_is_undone_there(clusters, folder
         assert [s.engine.lora_adapters for s in cl.stats().engines] == [["a", "b", "extra"]] * 2
     finally:
         cl.unload_lora_adapter("extra")
+
+
+def test_a_joining_engine_gets_the_fleets_newer_load_not_a_front_ends_stale_one(clusters, folders):
+    """This front end loaded an adapter; another unloaded it and loaded it again (a new load id)
+    while an engine was away. Syncing that engine loads the fleet's current load, and this front
+    end forgets its own, unloaded one."""
+    from actors.protocol import decode_lora_adapters
+
+    cl = clusters.get("lora")
+    cl.load_lora_adapter("extra", folders["extra"])
+    (old_id,) = {e[3] for e in decode_lora_adapters(ray.get(cl.actors[0].lora_adapters.remote())).runtime
+                 if e[0] == "extra"}
+    try:
+        # The other front end: unload from both engines, load again on engine 0 only (engine 1 away).
+        for actor in cl.actors:
+            ray.get(actor.unload_lora_adapter.remote("extra"))
+        ray.get(cl.actors[0].load_lora_adapter.remote("extra", folders["extra"], False, "new-load"))
+        cl.run(cl._sync_adapters(1))
+        report = decode_lora_adapters(ray.get(cl.actors[1].lora_adapters.remote()))
+        assert [e[3] for e in report.runtime if e[0] == "extra"] == ["new-load"]
+        assert old_id not in [e[2] for e in cl._runtime_loras.values()]
+    finally:
+        cl.unload_lora_adapter("extra")
