@@ -526,3 +526,20 @@ def test_read_rank_weights_reads_the_same_shards(tmp_path: Path, case: str) -> N
         json.dumps({"quantization_config": {"quant_method": "gptq"}})
     )
     assert not can_read_slices(str(tmp_path / "q"))
+
+
+def test_a_quantized_expert_split_inside_a_group_is_held_as_float() -> None:
+    """TP=2 over a moe_intermediate_size of 96 splits an expert's down projection at 48, inside
+    int4's 32-wide groups: that rank's slice is float (as unquantized experts load); a split on
+    group bounds stays quantized."""
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    for inter, quantized in ((96, False), (128, True)):
+        cfg = ModelConfig.from_hf(moe_config(**dict(SMALL, moe_intermediate_size=inter, num_experts=2,
+                                                    num_experts_per_tok=1)))
+        w = torch.randn(cfg.hidden_size, inter)
+        q = quantize_int4(w)
+        for rank in range(2):
+            part = shard_tensor(name, q, TPLayout.from_config(cfg, rank, 2))
+            assert isinstance(part, QuantWeight) == quantized and part.shape == (cfg.hidden_size, inter // 2)
+            got = part.dequantize() if quantized else part
+            torch.testing.assert_close(got, q.dequantize()[:, rank * inter // 2:(rank + 1) * inter // 2])
