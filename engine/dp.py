@@ -77,10 +77,14 @@ class DPComm:
         if info is not None:
             for lo, hi, slot in zip(info.seg_indptr_host, info.seg_indptr_host[1:], info.weight_indices_host):
                 slots[lo:hi] = slot
-        every = self.gather(slots.to(self.device)).view(-1).tolist()
-        if max(every, default=-1) < 0:
+        every = self.gather(slots.to(self.device)).view(-1).cpu()
+        if every.numel() == 0 or int(every.max()) < 0:
             return None
-        return batch_info(every, device=self.device)
+        # One segment per run of equal slots (found in torch: a prefill gathers many rows).
+        starts = torch.cat([every.new_zeros(1, dtype=torch.long),
+                            torch.nonzero(every[1:] != every[:-1]).view(-1) + 1])
+        lengths = torch.diff(starts, append=torch.tensor([every.numel()]))
+        return batch_info(every[starts].tolist(), lengths.tolist(), self.device)
 
     def reduce_scatter(self, y: torch.Tensor) -> torch.Tensor:
         """Partial MLP outputs over all tokens -> the summed rows of this member's tokens.

@@ -322,7 +322,8 @@ class MoEMLP:
                 raise ConfigError("under moe_split='experts' the shared expert is held whole")
         else:
             lo, hi = shard_range(hi, shard)
-        if quantized and (lo, hi) != (0, gate[0].shape[0]) and not all(_splits_cleanly(d, lo, hi) for d in down):
+        whole = (lo, hi) == (0, gate[0].shape[0])  # (no slice: no copy)
+        if quantized and not whole and not all(_splits_cleanly(d, lo, hi) for d in down):
             # a slice of down's input inside a quantization group (or act-order's spread groups):
             # the experts as float, as unquantized experts load
             gate, up, down = (torch.stack([w.dequantize(router.dtype) for w in t]) for t in (gate, up, down))
@@ -332,7 +333,6 @@ class MoEMLP:
         if quantized:
             if self.fused:
                 raise ConfigError("the fused MoE kernel takes float experts; quantized ones run grouped")
-            whole = (lo, hi) == (0, gate[0].shape[0])  # (no slice: no copy)
             self.experts = [(QuantLinear([g, u] if whole else [_rows(g, lo, hi), _rows(u, lo, hi)]),
                              QuantLinear(d if whole else _cols(d, lo, hi))) for g, u, d in zip(gate, up, down)]
             self.expert_numel = sum(a.numel() + b.numel() for a, b in self.experts)
