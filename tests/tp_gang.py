@@ -20,6 +20,16 @@ from engine import Engine, EngineConfig
 from engine.tp.comm import serve_store
 from engine.tp.worker import rank0_engine
 
+# The small models' shape the tensor-parallel test modules share (each adds its heads and head type).
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+
 
 class Gang:
     def __init__(self, rank1: Callable[[mp.Queue, mp.Queue], None]) -> None:

@@ -32,7 +32,7 @@ from engine.tp import TPGroup, rank_weight_bytes
 from kernels.quant import QuantLinear
 from tests.helpers import run_staggered, write_random_models
 from tests.quant_checkpoints import build
-from tests.tp_gang import Gang, gang_of
+from tests.tp_gang import BASE, Gang, gang_of
 
 LOGPROB_ATOL = 1e-4
 # int8 weights: the quantized GEMM rounds its activations per 32-element block, and a sharded
@@ -43,14 +43,6 @@ WITH_LOGPROBS = SamplingParams(
     max_new_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3
 )
 
-BASE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    head_dim=16,
-    max_position_embeddings=512,
-)
 CASES = {
     "mha_tied": llama_config(**BASE, num_key_value_heads=4, tie_word_embeddings=True),
     # Qwen2: q/k/v biases split with their heads.

@@ -28,7 +28,7 @@ from engine.forward_batch import ForwardMode
 from engine.tp import graph_ops
 from kernels import cpu_kernels
 from tests.helpers import run_staggered, write_random_models
-from tests.tp_gang import Gang, gang_of
+from tests.tp_gang import BASE, Gang, gang_of
 
 pytestmark = [
     pytest.mark.skipif(
@@ -39,14 +39,6 @@ pytestmark = [
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 LADDER_MAX = 4
-BASE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    head_dim=16,
-    max_position_embeddings=512,
-)
 CASES = {
     "gqa": llama_config(**BASE, num_key_value_heads=2, tie_word_embeddings=False),
     # One KV head, replicated on both ranks; Qwen3's per-head q/k norms.

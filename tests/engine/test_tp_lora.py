@@ -35,16 +35,8 @@ from engine.lora.adapter import target_shapes, target_weight_name
 from engine.tp.layout import TPLayout
 from engine.tp.sharding import TPLoRAShards, shard_tensor
 from tests.helpers import write_random_models
-from tests.tp_gang import Gang, gang_of
+from tests.tp_gang import BASE, Gang, gang_of
 
-BASE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    head_dim=16,
-    max_position_embeddings=512,
-)
 CASES = {
     "gqa": llama_config(**BASE, num_key_value_heads=2, tie_word_embeddings=False),
     # One KV head: replicated on both ranks, so are k's and v's lora_B rows.
