@@ -159,10 +159,11 @@ class ModelRunner:
         self.graph_runner = None
         self.cpu_graphs = False  # graph_runner is a CpuGraphRunner
         # Under TP the CPU graphs hold the collectives as operators bound to this runner's group
-        # (engine/tp/graph_ops.py; unbound on close). CUDA graphs stay off under TP: NCCL inside
-        # CUDA graphs is not wired here yet.
+        # (engine/tp/graph_ops.py; unbound on close); the CUDA graphs capture NCCL's collectives
+        # as they are: every rank captures the same ladder in the same order at start (the
+        # capture's collectives meet), and rank 0's choice of graph goes with each step.
         self.graph_collectives: GraphCollectives | None = None
-        if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1 and self.tp_size == 1
+        if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1 and self.tp_group.cuda_graph_capturable
                 and self.attn_backend.graph_safe and self.model.cuda_graph_safe):  # else eagerly
             from engine.cuda_graph import CudaGraphRunner
 
@@ -420,8 +421,8 @@ class ModelRunner:
         size = self.graph_size(fb) if graph_size is None else graph_size
         if size:
             if self.graph_runner is None:
-                raise RuntimeError("rank 0 runs this batch as a CPU graph and this rank has no graphs "
-                                   "(cpu_graph resolved differently on the ranks: RADIXRAY_CPU_GRAPHS?)")
+                raise RuntimeError("rank 0 runs this batch as a graph and this rank has no graphs "
+                                   "(graphs resolved differently on the ranks: RADIXRAY_CPU_GRAPHS?)")
             # (a CUDA graph runner pads by its own ladder)
             logits = self.graph_runner.replay(fb, size) if self.cpu_graphs else self.graph_runner.replay(fb)
             if logits is not None:  # None: a CPU graph that failed to compile; eager below

@@ -2,7 +2,7 @@
 # One prepared GPU check (no network needed; a few minutes on one GPU): the `gpu` tests (CUDA
 # parity in bf16 and fp32, Triton kernels on the device, CUDA-graph replay vs eager, overlap and
 # speculative verify batches on CUDA with n-gram and draft-model drafts, verify batches replayed as CUDA graphs, block-diffusion DLLM_EXTEND batches replayed as CUDA graphs, fused MoE,
-# quantized weights through the Triton kernel, MoE experts kept quantized (grouped, no CUDA graphs), the HiCache host tier's pinned copies) and the graph / roofline and quantized-GEMM micro-benchmarks. Record its output in docs/BENCHMARKS.md.
+# quantized weights through the Triton kernel, MoE experts kept quantized (grouped, no CUDA graphs), the HiCache host tier's pinned copies; CUDA graphs under TP=2 over NCCL, on a machine with two GPUs) and the graph / roofline and quantized-GEMM micro-benchmarks. Record its output in docs/BENCHMARKS.md.
 #   bash scripts/gpu_check.sh [OUT_DIR]     (after `bash scripts/gpu_wheels.sh` here; carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 # addopts, whose -n needs pytest-xdist (not carried).
 timeout 240 python3 -m pytest -o addopts=-ra -q -m gpu tests/engine/test_gpu.py tests/engine/test_cuda_graph.py tests/engine/test_moe.py \
     tests/engine/test_quantized.py tests/engine/test_dllm_graphs.py tests/engine/test_hicache.py \
+    tests/engine/test_tp_cuda_graphs.py \
     -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 timeout 120 python3 -m pytest -o addopts=-ra -q tests/kernels -p no:cacheprovider 2>&1 | tee -a "$out/gpu_tests.log"

@@ -64,7 +64,7 @@ class TPGroup:
     after `timeout_s` (a dead rank: the gang restarts). Each group takes its calls from one
     thread, in the same order on every rank: tensor collectives (`all_reduce`, `all_gather`,
     `broadcast`) from the forward thread, `broadcast_object` and `barrier` from the scheduler's.
-    On CUDA, set the rank's device (`torch.cuda.set_device`) before the first collective."""
+    On CUDA the group makes its device the current one (NCCL's communicator binds to it)."""
 
     def __init__(
         self,
@@ -113,6 +113,8 @@ class TPGroup:
         )
         dev_store = dist.PrefixStore("radixray-tp/dev/", self._store)
         if self.device.type == "cuda":
+            # NCCL's communicator binds to the current device: this rank's, whatever the caller's.
+            torch.cuda.set_device(self.device)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self.pg = dist.ProcessGroupNCCL(dev_store, tp_rank, tp_size, opts)
@@ -124,6 +126,12 @@ class TPGroup:
     @property
     def is_first_rank(self) -> bool:
         return self.tp_rank == 0
+
+    @property
+    def cuda_graph_capturable(self) -> bool:
+        """Whether a CUDA graph may hold this group's tensor collectives as they are: NCCL's
+        (2.9.6 and later capture) on CUDA; one rank has none."""
+        return self.tp_size == 1 or self.device.type == "cuda"
 
     def _group(self, cpu: bool = False) -> dist.ProcessGroup:
         if self._destroyed:
