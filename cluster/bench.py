@@ -109,10 +109,13 @@ CHURN_DOCUMENTS_PER_ENGINE = 6  # each engine's KV, in tenant documents (+ a que
 CHURN_QUESTION_TOKENS = 32
 
 
-def churn_workload(scale: float) -> tuple[list[list[int]], list[int], list[int]]:
-    """Prompts, output lengths, and each prompt's tenant."""
+def churn_workload(scale: float, requests: int | None = None) -> tuple[list[list[int]], list[int], list[int]]:
+    """Prompts, output lengths, and each prompt's tenant. requests: how many (default 192 x
+    scale); a longer trace has the same tenants' documents, and its first requests go to the
+    tenants of the default trace's, in its order."""
     rng = random.Random(5)
-    tenants, plen, n = 24, max(64, int(768 * scale)), max(24, int(192 * scale))
+    tenants, plen = 24, max(64, int(768 * scale))
+    n = requests or max(24, int(192 * scale))
     prefixes = random_prompts(tenants, plen, plen, BENCH_ARCH["vocab_size"], rng)
     order = rng.choices(range(tenants), weights=[1 / (k + 1) for k in range(tenants)], k=n)
     q = CHURN_QUESTION_TOKENS
@@ -205,15 +208,18 @@ def case_routing(path: str, scale: float) -> None:
 
 
 def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rate: float | None = None,
-               hicache_ratio: float | None = None, plot_path: str | None = None, repeat: int = 1) -> None:
+               hicache_ratio: float | None = None, plot_path: str | None = None, repeat: int = 1,
+               requests: int | None = None) -> None:
     """hicache_ratio: every engine with a host KV tier of that many times its pool (every policy
     on the same engines), the hit rates counting what the host tier gave back; the same run also
     routes with Serve's router and cache_aware over engines without the tier (the issue's
     baselines: routing alone), and prints the ceiling of each (Belady over the KV of both tiers).
     repeat: the whole comparison that many times, each run's lines printed; with more than one,
     the lines again over every run pooled (TTFTs of all runs, mean hit rate, tok/s over the
-    summed wall time): one run's p90 moves a lot between runs."""
-    prompts, outs, order = churn_workload(scale)
+    summed wall time): one run's p90 moves a lot between runs. requests: the trace's length
+    (churn_workload). Closed loop, the first `in_flight` requests are the first wave, every
+    prefix cold under every router: their TTFTs are reported apart too (the p90 after it)."""
+    prompts, outs, order = churn_workload(scale, requests)
     tiers = {} if hicache_ratio is None else {"enable_hierarchical_cache": True, "hicache_ratio": hicache_ratio}
     arrivals = poisson_arrivals(rate, len(prompts)) if rate else None
     pacing = f"open loop, {rate:g} req/s" if rate else "16 in flight"
@@ -247,16 +253,21 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
                                                           arrivals)
         return raw
 
-    def report(raw: dict[tuple[str, int, bool], tuple[float, list[float], float, list[float]]], runs: int,
-               note: str) -> None:
+    wave = 0 if arrivals else in_flight  # the first wave's requests, closed loop
+
+    def report(raw: dict[tuple[str, int, bool], tuple[float, list[float], float, list[float], list[float]]],
+               runs: int, note: str) -> None:
         def summary(key: tuple[str, int, bool]) -> tuple[float, float, float, float]:
-            dt, ttfts, hit, _ = raw[key]
+            dt, ttfts, hit, _, _ = raw[key]
             return runs * total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9)
+
+        def after_wave(label: str, key: tuple[str, int, bool]) -> str:
+            return f"{label} {1e3 * percentile(raw[key][4], 0.9):.0f} ms"
 
         def by_hit(label: str, key: tuple[str, int, bool]) -> str:
             """The requests that missed (under half the prompt cached: the prefix recomputed) and
             their TTFTs beside the others': where the run's p90 falls."""
-            _, ttfts, _, cached = raw[key]
+            _, ttfts, _, cached, _ = raw[key]
             missed = [t for t, c in zip(ttfts, cached) if c < 0.5]
             hits = [t for t, c in zip(ttfts, cached) if c >= 0.5]
             return (f"{label}: {len(missed) / len(ttfts):.0%} missed, TTFT p50 {1e3 * statistics.median(missed or [0]):.0f} "
@@ -281,6 +292,11 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
                          ("cache_aware, no tier", ("cache_aware", m, False))]
             print(f"churn      {m} front ends, {pacing}{note}, requests by hit: "
                   + "  ".join(by_hit(label, key) for label, key in rows), flush=True)
+            if wave:
+                rows += [("cache_aware, host tier", ("cache_aware", m, True)),
+                         ("serve_prefix_affinity, host tier", ("serve_prefix_affinity", 0, True))]
+                print(f"churn      {m} front ends, {pacing}{note}, TTFT p90 after the first wave ({wave} requests "
+                      f"a run): " + "  ".join(after_wave(label, key) for label, key in rows), flush=True)
             if tiers:
                 pool_only = {"serve_prefix_affinity": summary(("serve_prefix_affinity", 0, False)),
                              "cache_aware": summary(("cache_aware", m, False))}
@@ -292,10 +308,11 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
 
     runs = []
     for r in range(repeat):
-        runs.append(run_once())
+        runs.append({key: (*v, v[1][wave:]) for key, v in run_once().items()})
         report(runs[-1], 1, f", run {r + 1} of {repeat}" if repeat > 1 else "")
     pooled = {key: (sum(run[key][0] for run in runs), [t for run in runs for t in run[key][1]],
-                    statistics.fmean(run[key][2] for run in runs), [c for run in runs for c in run[key][3]])
+                    statistics.fmean(run[key][2] for run in runs), [c for run in runs for c in run[key][3]],
+                    [t for run in runs for t in run[key][4]])
               for key in runs[0]}
     if repeat > 1:
         report(pooled, repeat, f", {repeat} runs pooled")
@@ -434,7 +451,9 @@ def _fleet_run(path: str, pool: int, prompts: list[list[int]], outs: list[int], 
         else:
             futures = [asyncio.run_coroutine_threadsafe(part(cl, work[i::frontends], t0), cl._loop)
                        for i, cl in enumerate(fronts)]
-            timings = [t for f in futures for t in f.result()]
+            timings = [None] * len(work)  # in request order
+            for i, f in enumerate(futures):
+                timings[i::frontends] = f.result()
         dt = time.perf_counter() - t0
         hit = _engine_hit_rate(engines)
     finally:
@@ -1029,6 +1048,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="churn: give every engine a host KV tier of this many times its pool (e.g. 4); default: none")
     ap.add_argument("--repeat", type=int, default=1,
                     help="churn: run the whole comparison this many times, then report every run pooled")
+    ap.add_argument("--churn-requests", type=int, default=0,
+                    help="churn: the trace's length in requests (the same tenants; the first ones as in the "
+                    "default trace); default: 192 (24 with --quick)")
     ap.add_argument("--churn-plot", default="",
                     help="churn with --hicache-ratio: where to write the TTFT distributions' PNG (matplotlib; "
                     "docs/images/churn_tiers_ttft.png is the one docs/BENCHMARKS.md shows); default: none")
@@ -1046,6 +1068,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
+    if args.churn_requests < 0:
+        ap.error("--churn-requests must be positive")
     if args.frontend_child:
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
         result = frontend_child(args.frontend_child, args.model, args.scale, args.stream_interval_s)
@@ -1069,7 +1093,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         if name == "churn":
             case_churn(path, scale, frontends=tuple(int(m) for m in args.frontends.split(",")), rate=args.rate,
-                       hicache_ratio=args.hicache_ratio, plot_path=args.churn_plot or None, repeat=args.repeat)
+                       hicache_ratio=args.hicache_ratio, plot_path=args.churn_plot or None, repeat=args.repeat,
+                       requests=args.churn_requests or None)
             continue
         CASES[name](path, scale)
     if ray.is_initialized():
