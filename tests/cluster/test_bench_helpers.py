@@ -1,5 +1,6 @@
-"""The churn bench's yardsticks: the hit-rate ceilings it prints and its pacing of requests (open
-loop: Poisson arrivals; closed loop: a fixed number in flight), timed on a virtual clock."""
+"""The churn bench's yardsticks: the hit-rate ceilings it prints, its pacing of requests (open
+loop: Poisson arrivals; closed loop: a fixed number in flight), timed on a virtual clock, and its
+trace at other lengths."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.bench import _Gate, hit_rate_ceilings, poisson_arrivals
+from cluster.bench import _Gate, churn_workload, hit_rate_ceilings, poisson_arrivals
 
 
 def test_ceilings_on_a_cyclic_order():
@@ -27,6 +28,17 @@ def test_ceilings_on_a_cyclic_order():
 def test_no_eviction_beats_the_optimal_one(order, slots):
     optimal, lru = hit_rate_ceilings(order, 1, max(len(order), 1), slots)
     assert lru <= optimal <= max(len(order) - len(set(order)), 0) / max(len(order), 1)
+
+
+def test_a_longer_churn_trace_begins_as_the_default_one():
+    prompts, outs, order = churn_workload(0.125)
+    long_prompts, long_outs, long_order = churn_workload(0.125, requests=3 * len(prompts))
+    assert len(long_prompts) == len(long_order) == len(long_outs) == 3 * len(prompts)
+    assert long_order[:len(order)] == order  # the same tenants, in the same order, first
+    cut = len(prompts[0]) // 2  # inside the tenant's document, before the question
+    documents = {t: p[:cut] for t, p in zip(order, prompts)}
+    assert all(documents.get(t, p[:cut]) == p[:cut] for t, p in zip(long_order, long_prompts))
+    assert len(set(long_order)) >= len(set(order))
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
