@@ -217,8 +217,8 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
     repeat: the whole comparison that many times, each run's lines printed; with more than one,
     the lines again over every run pooled (TTFTs of all runs, mean hit rate, tok/s over the
     summed wall time): one run's p90 moves a lot between runs. requests: the trace's length
-    (churn_workload). Closed loop, the first `in_flight` requests are the first wave, every
-    prefix cold under every router: their TTFTs are reported apart too (the p90 after it)."""
+    (churn_workload). Closed loop, the first requests in flight together are the first wave,
+    every prefix cold under every router: the p90 after it is reported too."""
     prompts, outs, order = churn_workload(scale, requests)
     tiers = {} if hicache_ratio is None else {"enable_hierarchical_cache": True, "hicache_ratio": hicache_ratio}
     arrivals = poisson_arrivals(rate, len(prompts)) if rate else None
@@ -236,7 +236,9 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
     # Imported from where it lives: its public alias, ray.serve.llm, needs vLLM or SGLang installed.
     router = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
 
-    def run_once() -> dict[tuple[str, int, bool], tuple[float, list[float], float, list[float]]]:
+    Run = dict[tuple[str, int, bool], tuple[float, list[float], float, list[float]]]
+
+    def run_once() -> Run:
         """(policy, front ends (0: Serve's one handle), with the tier) -> (wall s, TTFTs, hit rate,
         each request's cached share of its prompt)."""
         raw = {("serve_prefix_affinity", 0, bool(tiers)):
@@ -253,10 +255,14 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
                                                           arrivals)
         return raw
 
-    wave = 0 if arrivals else in_flight  # the first wave's requests, closed loop
+    def first_wave(m: int) -> int:
+        """The requests of the first wave with m front ends (0: Serve's one handle): every front
+        end's first window, closed loop; none in an open loop."""
+        return 0 if arrivals else in_flight if m == 0 else max(1, in_flight // m) * m
 
     def report(raw: dict[tuple[str, int, bool], tuple[float, list[float], float, list[float], list[float]]],
                runs: int, note: str) -> None:
+        """raw: as run_once's, each value with a fifth item: the TTFTs after the first wave."""
         def summary(key: tuple[str, int, bool]) -> tuple[float, float, float, float]:
             dt, ttfts, hit, _, _ = raw[key]
             return runs * total / dt, hit, statistics.median(ttfts), percentile(ttfts, 0.9)
@@ -292,11 +298,12 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
                          ("cache_aware, no tier", ("cache_aware", m, False))]
             print(f"churn      {m} front ends, {pacing}{note}, requests by hit: "
                   + "  ".join(by_hit(label, key) for label, key in rows), flush=True)
-            if wave:
-                rows += [("cache_aware, host tier", ("cache_aware", m, True)),
-                         ("serve_prefix_affinity, host tier", ("serve_prefix_affinity", 0, True))]
-                print(f"churn      {m} front ends, {pacing}{note}, TTFT p90 after the first wave ({wave} requests "
-                      f"a run): " + "  ".join(after_wave(label, key) for label, key in rows), flush=True)
+            if not arrivals:
+                rows += [(f"cache_aware{tier_note}", ("cache_aware", m, bool(tiers))),
+                         (f"serve_prefix_affinity{tier_note}", ("serve_prefix_affinity", 0, bool(tiers)))]
+                print(f"churn      {m} front ends, {pacing}{note}, TTFT p90 after the first wave (the first "
+                      f"{first_wave(m)} requests of a run, {first_wave(0)} through Serve's handle): "
+                      + "  ".join(after_wave(label, key) for label, key in rows), flush=True)
             if tiers:
                 pool_only = {"serve_prefix_affinity": summary(("serve_prefix_affinity", 0, False)),
                              "cache_aware": summary(("cache_aware", m, False))}
@@ -308,7 +315,7 @@ def case_churn(path: str, scale: float, frontends: tuple[int, ...] = (2, 8), rat
 
     runs = []
     for r in range(repeat):
-        runs.append({key: (*v, v[1][wave:]) for key, v in run_once().items()})
+        runs.append({key: (*v, v[1][first_wave(key[1]):]) for key, v in run_once().items()})
         report(runs[-1], 1, f", run {r + 1} of {repeat}" if repeat > 1 else "")
     pooled = {key: (sum(run[key][0] for run in runs), [t for run in runs for t in run[key][1]],
                     statistics.fmean(run[key][2] for run in runs), [c for run in runs for c in run[key][3]],
@@ -1049,8 +1056,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="churn: run the whole comparison this many times, then report every run pooled")
     ap.add_argument("--churn-requests", type=int, default=0,
-                    help="churn: the trace's length in requests (the same tenants; the first ones as in the "
-                    "default trace); default: 192 (24 with --quick)")
+                    help="churn: the trace's length in requests (the same tenants; its first requests go to the "
+                    "default trace's tenants, in its order); default: 192 (24 with --quick)")
     ap.add_argument("--churn-plot", default="",
                     help="churn with --hicache-ratio: where to write the TTFT distributions' PNG (matplotlib; "
                     "docs/images/churn_tiers_ttft.png is the one docs/BENCHMARKS.md shows); default: none")
@@ -1068,8 +1075,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
-    if args.churn_requests < 0:
-        ap.error("--churn-requests must be positive")
+    if args.churn_requests and args.churn_requests < 16:
+        ap.error("--churn-requests must be at least 16 (the requests a closed loop keeps in flight)")
     if args.frontend_child:
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
         result = frontend_child(args.frontend_child, args.model, args.scale, args.stream_interval_s)

@@ -163,7 +163,10 @@ class ModelRunner:
         # as they are: every rank captures the same ladder in the same order at start (the
         # capture's collectives meet), and rank 0's choice of graph goes with each step.
         self.graph_collectives: GraphCollectives | None = None
-        if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1 and self.tp_group.cuda_graph_capturable
+        # (Not with split prefill under TP: a split's eager collectives on its own stream could
+        # then reach the device before or after a replayed decode graph's, unlike on the others.)
+        tp_graphs = self.tp_group.cuda_graph_capturable and not (self.tp_size > 1 and config.enable_split_prefill)
+        if (cuda and not config.disable_cuda_graph and mlp_shard[1] == 1 and tp_graphs
                 and self.attn_backend.graph_safe and self.model.cuda_graph_safe):  # else eagerly
             from engine.cuda_graph import CudaGraphRunner
 
@@ -310,8 +313,8 @@ class ModelRunner:
         return group
 
     def send_tp(self, fb: ForwardBatch, kind: int = FORWARD, split_end: int = 0, graph_size: int = 0) -> None:
-        """Rank 0: the batch (with the table entries the other ranks lack, and the size of the
-        CPU graph that runs it, 0 for none) to every other rank, which run it too
+        """Rank 0: the batch (with the table entries the other ranks lack, and the graph that
+        runs it: a CPU graph's padded size, 1 for a CUDA graph, 0 for none) to every other rank, which run it too
         (engine/tp/worker.py). No-op on one rank."""
         if self.tp_mirror is None:
             return
@@ -413,7 +416,8 @@ class ModelRunner:
 
     def run_forward(self, fb: ForwardBatch, graph_size: int | None = None) -> torch.Tensor | None:
         """`forward` without sending the batch to the other ranks (what they run it with);
-        `graph_size`: the CPU graph to run it with (0: eagerly), as rank 0 chose under tensor
+        `graph_size`: the graph to run it with (a CPU graph's padded size, nonzero for a CUDA
+        graph, which pads by its own ladder; 0: eagerly), as rank 0 chose under tensor
         parallelism; None: this runner's choice (`graph_size`)."""
         if self.dllm_as_decode and fb.forward_mode.is_dllm_extend():
             logits = self.run_forward(fb.as_decode_rows(self.model_config.dllm_block_size), graph_size)

@@ -78,8 +78,8 @@ class TPStep(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_weight_indices: list[int] | None = None
     # Rank 0's LoRA slot and host changes since its last message, in order (any kind, STOP too).
     lora_events: list[PoolEvent] | None = None
-    # The padded batch size of the CPU decode graph rank 0 runs this batch with (0: eagerly);
-    # the other ranks run the same size (engine/cpu_graph.py).
+    # The graph rank 0 runs this batch with: a CPU decode graph's padded batch size (the other
+    # ranks run the same size, engine/cpu_graph.py), nonzero for a CUDA graph, 0: eagerly.
     graph_size: int = 0
 
 

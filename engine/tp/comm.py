@@ -64,7 +64,9 @@ class TPGroup:
     after `timeout_s` (a dead rank: the gang restarts). Each group takes its calls from one
     thread, in the same order on every rank: tensor collectives (`all_reduce`, `all_gather`,
     `broadcast`) from the forward thread, `broadcast_object` and `barrier` from the scheduler's.
-    On CUDA the group makes its device the current one (NCCL's communicator binds to it)."""
+    On CUDA the group makes its device the current one (the rank's CUDA graphs capture and
+    replay there). A collective replayed inside a CUDA graph has no timeout (NCCL's watchdog
+    does not see captured work): a dead peer is noticed by the gang's watcher instead."""
 
     def __init__(
         self,
@@ -85,7 +87,8 @@ class TPGroup:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.device = torch.device(device)
         # Time waiting in the tensor collectives (the bench's split of a step; on CUDA only the
-        # launch: NCCL's wait orders streams, it does not block the host) and in the object
+        # launch: NCCL's wait orders streams, it does not block the host; a replayed CUDA graph's
+        # collectives are not counted) and in the object
         # broadcasts, kept apart because two threads update them.
         self.collective_seconds, self.collective_calls = 0.0, 0
         self.object_seconds, self.object_calls = 0.0, 0
@@ -113,7 +116,9 @@ class TPGroup:
         )
         dev_store = dist.PrefixStore("radixray-tp/dev/", self._store)
         if self.device.type == "cuda":
-            # NCCL's communicator binds to the current device: this rank's, whatever the caller's.
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            # The rank's capture streams and graph replays follow the current device: this rank's.
             torch.cuda.set_device(self.device)
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
@@ -129,9 +134,11 @@ class TPGroup:
 
     @property
     def cuda_graph_capturable(self) -> bool:
-        """Whether a CUDA graph may hold this group's tensor collectives as they are: NCCL's
-        (2.9.6 and later capture) on CUDA; one rank has none."""
-        return self.tp_size == 1 or self.device.type == "cuda"
+        """Whether a CUDA graph may hold this group's tensor collectives as they are: NCCL's on
+        CUDA, from 2.9.6 (which captures them); one rank has none."""
+        if self.tp_size == 1:
+            return True
+        return self.device.type == "cuda" and tuple(torch.cuda.nccl.version()) >= (2, 9, 6)
 
     def _group(self, cpu: bool = False) -> dist.ProcessGroup:
         if self._destroyed:

@@ -64,8 +64,8 @@ class TPWorker:
             t0 = time.perf_counter()
             if msg.kind == FORWARD:
                 apply_table(msg, table)
-                # The CPU graph size rank 0 runs it with (0: eagerly): every rank's collectives
-                # then have the same shapes.
+                # The graph rank 0 runs it with (0: eagerly): every rank's collectives then have
+                # the same shapes.
                 runner.run_forward(decode_batch(msg, device), msg.graph_size)
             elif msg.kind == SPLIT:
                 if msg.input_ids is not None:  # its first slice: the batch itself

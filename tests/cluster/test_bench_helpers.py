@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cluster.bench as bench
 from cluster.bench import _Gate, churn_workload, hit_rate_ceilings, poisson_arrivals
 
 
@@ -39,6 +40,36 @@ def test_a_longer_churn_trace_begins_as_the_default_one():
     documents = {t: p[:cut] for t, p in zip(order, prompts)}
     assert all(documents.get(t, p[:cut]) == p[:cut] for t, p in zip(long_order, long_prompts))
     assert len(set(long_order)) >= len(set(order))
+
+
+@pytest.mark.parametrize("tier", [None, 4.0])
+@pytest.mark.parametrize("rate", [None, 2.0])
+def test_churn_report_with_and_without_the_tier(monkeypatch, capsys, tier, rate):
+    """The churn case's report over stand-in runs (no cluster): every line for each setting, and
+    the first wave cut from each run before the TTFTs after it are pooled."""
+    n = len(churn_workload(0.125)[0])
+    seen = []
+
+    def fake(*args, **kwargs):  # TTFT k + 1 for request k: the first wave's are the shortest
+        seen.append(args)
+        return 1.0, [k + 1.0 for k in range(n)], 0.5, [k % 2 for k in range(n)]
+
+    monkeypatch.setattr(bench, "_fleet_run", fake)
+    monkeypatch.setattr(bench, "_serve_router_run", fake)
+    bench.case_churn("unused", 0.125, frontends=(2,), rate=rate, hicache_ratio=tier, repeat=2)
+    out = capsys.readouterr().out
+    assert len(seen) == 2 * (6 if tier else 4)  # with the tier, two baselines without it too
+    assert out.count("2 runs pooled") == (4 if tier else 3) - (rate is not None)
+    assert ("kv_events with the host tier" in out) == bool(tier)
+    waves = [line for line in out.splitlines() if "after the first wave" in line]
+    if rate is not None:
+        assert not waves  # an open loop has no first wave
+        return
+    # Each run's requests after the first 16 (16 in flight): TTFTs 17..n; pooled, twice each.
+    after = [float(t) for t in range(17, n + 1)]
+    p90s = [1e3 * bench.percentile(after, 0.9)] * 2 + [1e3 * bench.percentile(after * 2, 0.9)]
+    label = "kv_events, host tier 4x" if tier else "kv_events"
+    assert len(waves) == 3 and all(f"{label} {p90:.0f} ms" in w for w, p90 in zip(waves, p90s)), waves
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):

@@ -23,13 +23,17 @@ from tests.tp_gang import BASE, Gang, gang_of
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs two CUDA devices (NCCL takes one rank per device)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="needs two CUDA devices (NCCL takes one rank per device)",
+    ),
 ]
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-CASES = {"gqa": llama_config(**BASE, num_key_value_heads=2, tie_word_embeddings=False),
-         "mqa": llama_config(**BASE, num_key_value_heads=1, tie_word_embeddings=True)}
+CASES = {
+    "gqa": llama_config(**BASE, num_key_value_heads=2, tie_word_embeddings=False),
+    "mqa": llama_config(**BASE, num_key_value_heads=1, tie_word_embeddings=True),
+}
 
 
 def _rank1(jobs: mp.Queue, results: mp.Queue) -> None:
@@ -41,7 +45,9 @@ def _rank1(jobs: mp.Queue, results: mp.Queue) -> None:
         try:
             kwargs, init = job
             config = EngineConfig.from_kwargs(**{**kwargs, "device": "cuda:1"})
-            group = TPGroup(1, 2, "cuda:1", init_method=init, timeout_s=60.0, object_timeout_s=IDLE_WAIT_S)
+            group = TPGroup(
+                1, 2, "cuda:1", init_method=init, timeout_s=60.0, object_timeout_s=IDLE_WAIT_S
+            )
             worker = TPWorker(config, 1, group)
             graphs = worker.runner.graph_runner
             try:
@@ -73,12 +79,22 @@ def workload(engine: Engine) -> list[list[int]]:
 
 
 def config(path: str, **kw: Any) -> EngineConfig:
-    return EngineConfig.from_kwargs(model_path=path, device="cuda:0", dtype="float32", attention_backend="triton",
-                                    max_total_tokens=1024, max_running_requests=8, cuda_graph_max_bs=4, **kw)
+    return EngineConfig.from_kwargs(
+        model_path=path,
+        device="cuda:0",
+        dtype="float32",
+        attention_backend="triton",
+        max_total_tokens=1024,
+        max_running_requests=8,
+        cuda_graph_max_bs=4,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cuda_graphs_under_tp_match_one_rank_eagerly(gang: Gang, models: dict[str, str], case: str) -> None:
+def test_cuda_graphs_under_tp_match_one_rank_eagerly(
+    gang: Gang, models: dict[str, str], case: str
+) -> None:
     ref = Engine(config(models[case], disable_cuda_graph=True))
     try:
         expected = workload(ref)
