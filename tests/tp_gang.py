@@ -10,10 +10,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import msgspec
+import pytest
 import torch
 
 from engine import Engine, EngineConfig
@@ -55,15 +55,20 @@ class Gang:
         return value
 
 
-@contextmanager
-def gang_of(rank1: Callable[[mp.Queue, mp.Queue], None]) -> Iterator[Gang]:
-    """A Gang for a module, torch on one thread meanwhile (two ranks on two cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    g = Gang(rank1)
-    try:
-        yield g
-    finally:
-        g.jobs.put(None)
-        g.proc.join(30)
-        torch.set_num_threads(threads)
+def gang_fixture(rank1: Callable[[mp.Queue, mp.Queue], None]) -> Any:
+    """A module's `gang` fixture: one Gang for the module's tests (rank 1 run by `rank1`), torch
+    on one thread meanwhile (two ranks on two cores)."""
+
+    @pytest.fixture(scope="module")
+    def gang() -> Iterator[Gang]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        g = Gang(rank1)
+        try:
+            yield g
+        finally:
+            g.jobs.put(None)
+            g.proc.join(30)
+            torch.set_num_threads(threads)
+
+    return gang

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from engine.tp import TPGroup, rank_weight_bytes
 from kernels.quant import QuantLinear
 from tests.helpers import run_staggered, write_random_models
 from tests.quant_checkpoints import build
-from tests.tp_gang import BASE, Gang, gang_of
+from tests.tp_gang import BASE, Gang, gang_fixture
 
 LOGPROB_ATOL = 1e-4
 # int8 weights: the quantized GEMM rounds its activations per 32-element block, and a sharded
@@ -119,10 +118,7 @@ def _rank1(jobs: mp.Queue, results: mp.Queue) -> None:
             results.put(("error", traceback.format_exc()))
 
 
-@pytest.fixture(scope="module")
-def gang() -> Iterator[Gang]:
-    with gang_of(_rank1) as g:
-        yield g
+gang = gang_fixture(_rank1)
 
 
 @pytest.fixture(scope="module")

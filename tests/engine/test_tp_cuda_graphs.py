@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.builtin_model import llama_config
 from engine.forward_batch import ForwardMode
 from tests.helpers import run_staggered, write_random_models
-from tests.tp_gang import BASE, Gang, gang_of
+from tests.tp_gang import BASE, Gang, gang_fixture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,10 +58,7 @@ def _rank1(jobs: mp.Queue, results: mp.Queue) -> None:
             results.put(("error", traceback.format_exc()))
 
 
-@pytest.fixture(scope="module")
-def gang() -> Iterator[Gang]:
-    with gang_of(_rank1) as g:
-        yield g
+gang = gang_fixture(_rank1)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +27,7 @@ from engine.forward_batch import ForwardMode
 from engine.tp import graph_ops
 from kernels import cpu_kernels
 from tests.helpers import run_staggered, write_random_models
-from tests.tp_gang import BASE, Gang, gang_of
+from tests.tp_gang import BASE, Gang, gang_fixture
 
 pytestmark = [
     pytest.mark.skipif(
@@ -106,10 +105,7 @@ def _failing_compile(fn: Any, **kwargs: Any) -> Any:
     return compiled
 
 
-@pytest.fixture(scope="module")
-def gang() -> Iterator[Gang]:
-    with gang_of(_rank1) as g:
-        yield g
+gang = gang_fixture(_rank1)
 
 
 @pytest.fixture(scope="module")

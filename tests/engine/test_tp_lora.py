@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,7 @@ from engine.lora.adapter import target_shapes, target_weight_name
 from engine.tp.layout import TPLayout
 from engine.tp.sharding import TPLoRAShards, shard_tensor
 from tests.helpers import write_random_models
-from tests.tp_gang import BASE, Gang, gang_of
+from tests.tp_gang import BASE, Gang, gang_fixture
 
 CASES = {
     "gqa": llama_config(**BASE, num_key_value_heads=2, tie_word_embeddings=False),
@@ -131,10 +130,7 @@ def stop(gang: Gang, engine: Engine) -> tuple[int, dict[int, int], list[int]]:
     return steps, slots, resident
 
 
-@pytest.fixture(scope="module")
-def gang() -> Iterator[Gang]:
-    with gang_of(_rank1) as g:
-        yield g
+gang = gang_fixture(_rank1)
 
 
 def prompts() -> list[list[int]]:
