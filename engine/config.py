@@ -328,8 +328,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         hicache = HiCacheConfig.from_engine_config(self)  # ConfigError
         if hicache.enable_hierarchical_cache:
             need(not self.disable_radix_cache, "enable_hierarchical_cache needs the radix cache (disable_radix_cache)")
-            # Rank 0 holds the cache, but only its share of the KV heads.
-            need(self.tp_size == 1, "enable_hierarchical_cache is not supported with tp_size > 1")
+            # Under TP every rank's host tier mirrors rank 0's copies; storage pages would hold
+            # rank 0's share of the KV heads only.
+            need(self.tp_size == 1 or hicache.hicache_storage_backend is None,
+                 "hicache_storage_backend is not supported with tp_size > 1 (the host tier is)")
         grammar_backend_class(self.grammar_backend, self.constrained_json_whitespace_pattern)  # ConfigError
         LoRAConfig.from_engine_config(self)  # ConfigError
         if self.lora_enabled:

@@ -213,6 +213,9 @@ class ModelRunner:
         self.tp_mirror = (ReqToTokenMirror(self.req_to_token_pool.req_to_token)
                           if self.tp_size > 1 and tp_rank == 0 else None)
         self.mlp_shard = mlp_shard
+        # Rank 0 of several with a host KV tier: its copies since the last TPStep (the scheduler
+        # sets it: HostKVPool.take_copies).
+        self.tp_host_copies: Callable[[], list] | None = None
         self.lora_manager: LoRAManager | None = None  # init_lora (rank 0)
         self.lora_replica: LoRAReplica | None = None  # init_lora_replica (the other ranks)
 
@@ -323,6 +326,7 @@ class ModelRunner:
         table = self.tp_mirror.diff(fb) if kind == FORWARD or fb.split_index == 0 else None
         msg = encode_batch(fb, kind, split_end, table) if table is not None else TPStep(kind=kind, split_end=split_end)
         msg.lora_events = self._lora_events()
+        msg.host_copies = self.tp_host_copies() or None if self.tp_host_copies is not None else None
         msg.graph_size = graph_size
         self.tp_group.broadcast_object(msg)
 

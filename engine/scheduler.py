@@ -164,6 +164,11 @@ class Scheduler:
                                   hicache=None if hicache.is_default else hicache,
                                   kv_cache=model_runner.kv_cache, model_id=model_id,
                                   hidden_size=model_runner.model_config.hidden_size)
+        if getattr(model_runner, "tp_size", 1) > 1 and self.cache.hicache is not None:
+            # The other ranks make the host tier's copies on their own KV heads (engine/tp/worker.py).
+            host = self.cache.hicache.host
+            host.log_copies()
+            model_runner.tp_host_copies = host.take_copies
         # LoRA adapters (None: off): requests hold a reference on theirs from admission to their end;
         # at most max_loras_per_batch adapters have running requests (`_lora_admissible`).
         self.lora = getattr(model_runner, "lora_manager", None)

@@ -1,15 +1,24 @@
 """HostKVPool: the host-memory tier's KV pages, per layer K and V, one slot per token (as the
 device pool), with its own slot allocator. On CUDA the buffer is pinned and copies run on a copy
 stream; each copy is complete when its call returns (the slots it read or wrote may be reused at
-once), so the caller needs no synchronization of its own."""
+once), so the caller needs no synchronization of its own.
+
+Under tensor parallelism every rank holds a host tier of its own KV heads, slot for slot as rank
+0's: rank 0's pool logs its copies (`log_copies`, `take_copies`), and the other ranks apply the
+same copies in the same order (`apply_copies`) before the next forward they run."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from engine.memory import KVCache, TokenToKVPoolAllocator
 
 CPU = torch.device("cpu")
+# A logged copy: (BACKUP: device -> host, or LOAD: host -> device, device slots, host slots).
+BACKUP, LOAD = 0, 1
+HostCopy = tuple[int, list[int], list[int]]
 
 
 def kv_shape(kv_cache: KVCache) -> tuple[int, int, int]:
@@ -49,6 +58,8 @@ class HostKVPool:
         self.allocator = TokenToKVPoolAllocator(size, CPU)
         self.bytes_per_token = KVCache.bytes_per_token(num_layers, kv_heads, head_dim, dtype)
         self.copy_stream = torch.cuda.Stream(device) if self.pinned else None
+        self._log: list[HostCopy] | None = None  # rank 0 of several: the copies not sent yet
+        self._log_lock = threading.Lock()  # appended by the scheduler, taken by the forward thread
 
     @classmethod
     def for_device_pool(
@@ -74,6 +85,35 @@ class HostKVPool:
     def free(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
 
+    # ---- the copy log (tensor parallelism) -------------------------------------------------
+    def log_copies(self) -> None:
+        """From now on, keep every device <-> host copy for `take_copies`."""
+        self._log = []
+
+    def take_copies(self) -> list[HostCopy]:
+        """The copies logged since the last call, in order."""
+        if self._log is None:
+            return []
+        with self._log_lock:
+            out, self._log = self._log, []
+        return out
+
+    def _logged(self, kind: int, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        if self._log is not None:
+            with self._log_lock:
+                self._log.append((kind, device_slots.tolist(), host_slots.tolist()))
+
+    def apply_copies(self, kv_cache: KVCache, copies: list[HostCopy]) -> None:
+        """Another rank's side of rank 0's copies: the same slots of this rank's pools, in order."""
+        for kind, device_slots, host_slots in copies:
+            dev, host = torch.tensor(device_slots, dtype=torch.int64), torch.tensor(host_slots, dtype=torch.int64)
+            if kind == BACKUP:
+                self.backup_from_device(kv_cache, dev, host)
+            elif kind == LOAD:
+                self.load_to_device(kv_cache, host, dev)
+            else:
+                raise ValueError(f"unknown host copy kind {kind}")
+
     # ---- copies ----------------------------------------------------------------------------
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """[2, layers, n, kv_heads, head_dim] of host slots (a copy)."""
@@ -87,6 +127,7 @@ class HostKVPool:
         self, kv_cache: KVCache, host_slots: torch.Tensor, device_slots: torch.Tensor
     ) -> int:
         """Copy host slots into device slots, every layer; returns the bytes moved."""
+        self._logged(LOAD, device_slots, host_slots)
         staged = self.kv[:, :, host_slots]  # one gather for all layers (pinned below on CUDA)
         if self.copy_stream is None:
             index = device_slots.to(torch.int64)
@@ -110,6 +151,7 @@ class HostKVPool:
         self, kv_cache: KVCache, device_slots: torch.Tensor, host_slots: torch.Tensor
     ) -> int:
         """Copy device slots into host slots, every layer; returns the bytes moved."""
+        self._logged(BACKUP, device_slots, host_slots)
         if self.copy_stream is None:
             data = gather_kv(kv_cache, device_slots)
         else:

@@ -78,6 +78,9 @@ class TPStep(msgspec.Struct, array_like=True, omit_defaults=True):
     lora_weight_indices: list[int] | None = None
     # Rank 0's LoRA slot and host changes since its last message, in order (any kind, STOP too).
     lora_events: list[PoolEvent] | None = None
+    # Rank 0's device <-> host KV copies since its last message, in order (engine/hicache/
+    # host_pool.py: (kind, device slots, host slots)); the other ranks make them first.
+    host_copies: list[tuple[int, list[int], list[int]]] | None = None
     # The graph rank 0 runs this batch with: a CPU decode graph's padded batch size (the other
     # ranks run the same size, engine/cpu_graph.py), nonzero for a CUDA graph, 0: eagerly.
     graph_size: int = 0

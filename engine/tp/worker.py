@@ -19,6 +19,7 @@ import torch.distributed as dist
 from engine.builtin_model import builtin_model_path
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.hicache.host_pool import HostKVPool
 from engine.model_runner import ModelRunner, resolve_device
 from engine.tp.batch import FORWARD, SPLIT, STOP, TPStep, apply_table, decode_batch
 from engine.tp.comm import TPGroup
@@ -43,6 +44,10 @@ class TPWorker:
         self.group = group
         # Rank 0's Engine builds its LoRAManager right after its ModelRunner: its setup comes next.
         self.lora = self.runner.init_lora_replica() if config.lora_enabled else None
+        # This rank's KV heads of rank 0's host tier, slot for slot (rank 0 sends its copies).
+        self.host = (HostKVPool.for_device_pool(self.runner.kv_cache, self.runner.max_total_tokens,
+                                                config.hicache_ratio, config.hicache_size)
+                     if config.enable_hierarchical_cache else None)
         self.steps = 0  # forwards (and split-prefill slices) run
         self.forward_seconds = 0.0
         self._split = None  # the SPLIT_PREFILL batch whose slices are running
@@ -59,6 +64,10 @@ class TPWorker:
                 if self.lora is None:
                     raise RuntimeError("rank 0 sent LoRA slot changes to a rank without adapters")
                 self.lora.apply(msg.lora_events)
+            if msg.host_copies:
+                if self.host is None:
+                    raise RuntimeError("rank 0 sent host KV copies to a rank without a host tier")
+                self.host.apply_copies(runner.kv_cache, msg.host_copies)
             if msg.kind == STOP:
                 break
             t0 = time.perf_counter()

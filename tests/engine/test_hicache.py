@@ -467,7 +467,8 @@ def test_engine_config_holds_the_settings_and_checks_them(model_dirs):
         ({"hicache_ratio": 0}, "hicache_ratio"),
         ({"enable_hierarchical_cache": True, "hicache_ratio": 1.0}, "hicache_ratio must be > 1"),
         ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "radix cache"),
-        ({"enable_hierarchical_cache": True, "tp_size": 2}, "tp_size"),
+        ({"enable_hierarchical_cache": True, "tp_size": 2, "hicache_storage_backend": "file",
+          "hicache_storage_path": "/tmp/unused"}, "tp_size"),
     ]
     for kwargs, match in bad:
         with pytest.raises(ConfigError, match=match):

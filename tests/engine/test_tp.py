@@ -212,6 +212,51 @@ def test_rank_parameter_bytes(gang: Gang, models: dict[str, str], case: str) -> 
         ref.shutdown()
 
 
+HOST_TIER_RUNS = {
+    "write_through": dict(hicache_write_policy="write_through"),
+    "write_back": dict(hicache_write_policy="write_back"),
+    "write_back-overlap": dict(hicache_write_policy="write_back", enable_overlap_schedule=True),
+}
+
+
+@pytest.mark.parametrize("run", sorted(HOST_TIER_RUNS))
+def test_host_tier_matches_one_rank(gang: Gang, models: dict[str, str], run: str) -> None:
+    """Four tenants' 60-token documents, twice round, through a pool of 160 slots: the second
+    round loads each document back from the host tier. Rank 1 makes rank 0's copies on its own
+    KV head (GQA: one of two per rank), so its tokens are one rank's, with the tier or without."""
+    g = torch.Generator().manual_seed(11)
+    docs = [[1] + torch.randint(5, 250, (60,), generator=g).tolist() for _ in range(4)]
+    prompts = [d + torch.randint(5, 250, (4,), generator=g).tolist() for d in docs + docs]
+
+    def tokens(engine: Engine) -> list[list[int]]:
+        return [engine.generate(input_ids=p, sampling_params=GREEDY).token_ids for p in prompts]
+
+    path = models["gqa_untied"]
+    small = dict(max_total_tokens=160, max_running_requests=4)
+    tier = dict(HOST_TIER_RUNS[run], enable_hierarchical_cache=True, hicache_ratio=4)
+    want = {}
+    for name, kw in (("pool only", {}), ("tier", tier)):
+        ref = Engine(EngineConfig.from_kwargs(model_path=path, device="cpu", **small, **kw))
+        want[name] = tokens(ref)
+        ref.shutdown()
+    assert want["tier"] == want["pool only"]
+    tp = gang.engine(EngineConfig.from_kwargs(model_path=path, device="cpu", tp_size=2, **small, **tier))
+    try:
+        got = tokens(tp)
+        hicache = tp.stats().hicache
+        tp.check_memory()  # every tier idle
+    finally:
+        gang.stop(tp)
+    assert got == want["tier"]
+    assert hicache.host.hit_tokens >= 4 * 60, hicache  # the second round, from the host tier
+
+
+def test_tp_refuses_a_storage_tier(models: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="hicache_storage_backend is not supported with tp_size > 1"):
+        EngineConfig.from_kwargs(model_path=models["mqa"], device="cpu", tp_size=2, enable_hierarchical_cache=True,
+                                 hicache_storage_backend="file", hicache_storage_path="/tmp/unused")
+
+
 def test_tp_needs_a_group(models: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match="TPGroup"):
         Engine(config(models["mha_tied"], tp_size=2))
