@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import msgspec
 import torch
 
-from engine.errors import MemoryInvariantError
+from engine.errors import ConfigError, MemoryInvariantError
 from engine.hicache.config import DEFAULTS
 from engine.hicache.eviction import create_eviction_policy
 from engine.hicache.hiradix_cache import HiRadixCache
@@ -129,6 +129,7 @@ class CacheManager:
         self.tree: PrefixCache = (RadixCache(allocator, create_eviction_policy(DEFAULTS.radix_eviction_policy, hidden_size))
                                   if share_prefixes else NoRadixCache(allocator))
         self.hicache: HiRadixCache | None = None
+        self.host_mirrored = False  # other ranks make the host tier's copies (tensor parallelism)
         self._subscribers: list[tuple[Callable[[KVEvent], None], frozenset[str]]] = []
         # A LoRA adapter load's id -> its name (the scheduler sets it when LoRA is on): KV events
         # name the adapter of a namespaced path.
@@ -142,7 +143,9 @@ class CacheManager:
     def configure_cache(self, config: HiCacheConfig, kv_cache: KVCache | None = None, model_id: str = "") -> None:
         """Rebuild the prefix cache from `config` (eviction policy; tiers with
         enable_hierarchical_cache, which need `kv_cache`). Only with no request running: what the
-        old cache held is freed."""
+        old cache held is freed. Not when other ranks mirror the host tier (`host_mirrored`)."""
+        if self.host_mirrored:
+            raise ConfigError("the cache of a tensor-parallel engine cannot be rebuilt (its ranks' host tiers follow it)")
         self.check_idle()
         if not self.tree.shares_prefixes:
             return

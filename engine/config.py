@@ -300,6 +300,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
              f"moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
         need(self.disaggregation_mode in DISAGGREGATION_MODES,
              f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+        need(self.tp_size == 1 or self.disaggregation_mode == "null",
+             "disaggregation_mode is not supported with tp_size > 1 (the KV transfer moves rank 0's heads only)")
         need(self.disaggregation_transfer_timeout_s > 0, "disaggregation_transfer_timeout_s must be > 0")
         need(self.disaggregation_transfer_backend in DISAGGREGATION_TRANSFER_BACKENDS,
              f"disaggregation_transfer_backend must be one of {DISAGGREGATION_TRANSFER_BACKENDS}, "

@@ -326,7 +326,7 @@ class ModelRunner:
         table = self.tp_mirror.diff(fb) if kind == FORWARD or fb.split_index == 0 else None
         msg = encode_batch(fb, kind, split_end, table) if table is not None else TPStep(kind=kind, split_end=split_end)
         msg.lora_events = self._lora_events()
-        msg.host_copies = self.tp_host_copies() or None if self.tp_host_copies is not None else None
+        msg.host_copies = (self.tp_host_copies() or None) if self.tp_host_copies is not None else None
         msg.graph_size = graph_size
         self.tp_group.broadcast_object(msg)
 

@@ -169,6 +169,7 @@ class Scheduler:
             host = self.cache.hicache.host
             host.log_copies()
             model_runner.tp_host_copies = host.take_copies
+            self.cache.host_mirrored = True
         # LoRA adapters (None: off): requests hold a reference on theirs from admission to their end;
         # at most max_loras_per_batch adapters have running requests (`_lora_admissible`).
         self.lora = getattr(model_runner, "lora_manager", None)
@@ -927,6 +928,11 @@ class Scheduler:
             # The cache calls stay outside that guard: one failing half-way leaves the tree in an
             # unknown state, which no single request can be blamed for (the loop dies instead).
             if req.finished():
+                if req.kv_len >= req.seqlen and self.cache.hicache is not None:
+                    # Overlap: the decode batch launched ahead writes this token's KV into the
+                    # slot it took for it. Cached, a host-tier backup (on this thread) could copy
+                    # the slot before that forward has written it: it goes back to the pool instead.
+                    self.cache.truncate(req, req.seqlen - 1)
                 self.cache.cache_finished_req(req)
             else:
                 if batch.forward_mode.is_extend() and id(req) not in decoding:

@@ -106,7 +106,10 @@ class HostKVPool:
     def apply_copies(self, kv_cache: KVCache, copies: list[HostCopy]) -> None:
         """Another rank's side of rank 0's copies: the same slots of this rank's pools, in order."""
         for kind, device_slots, host_slots in copies:
-            dev, host = torch.tensor(device_slots, dtype=torch.int64), torch.tensor(host_slots, dtype=torch.int64)
+            dev, host = (
+                torch.tensor(device_slots, dtype=torch.int64),
+                torch.tensor(host_slots, dtype=torch.int64),
+            )
             if kind == BACKUP:
                 self.backup_from_device(kv_cache, dev, host)
             elif kind == LOAD:
@@ -127,7 +130,6 @@ class HostKVPool:
         self, kv_cache: KVCache, host_slots: torch.Tensor, device_slots: torch.Tensor
     ) -> int:
         """Copy host slots into device slots, every layer; returns the bytes moved."""
-        self._logged(LOAD, device_slots, host_slots)
         staged = self.kv[:, :, host_slots]  # one gather for all layers (pinned below on CUDA)
         if self.copy_stream is None:
             index = device_slots.to(torch.int64)
@@ -145,13 +147,15 @@ class HostKVPool:
                     kv_cache.k[layer][index] = data[0, layer]
                     kv_cache.v[layer][index] = data[1, layer]
             stream.synchronize()  # the forward that reads them may run on any stream
+        self._logged(
+            LOAD, device_slots, host_slots
+        )  # (made: a failed copy is not repeated elsewhere)
         return staged.numel() * staged.element_size()
 
     def backup_from_device(
         self, kv_cache: KVCache, device_slots: torch.Tensor, host_slots: torch.Tensor
     ) -> int:
         """Copy device slots into host slots, every layer; returns the bytes moved."""
-        self._logged(BACKUP, device_slots, host_slots)
         if self.copy_stream is None:
             data = gather_kv(kv_cache, device_slots)
         else:
@@ -166,4 +170,5 @@ class HostKVPool:
                 data.copy_(gathered, non_blocking=True)
             stream.synchronize()  # the device slots are freed (and reused) right after
         self.kv[:, :, host_slots] = data
+        self._logged(BACKUP, device_slots, host_slots)
         return data.numel() * data.element_size()

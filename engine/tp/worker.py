@@ -45,9 +45,16 @@ class TPWorker:
         # Rank 0's Engine builds its LoRAManager right after its ModelRunner: its setup comes next.
         self.lora = self.runner.init_lora_replica() if config.lora_enabled else None
         # This rank's KV heads of rank 0's host tier, slot for slot (rank 0 sends its copies).
-        self.host = (HostKVPool.for_device_pool(self.runner.kv_cache, self.runner.max_total_tokens,
-                                                config.hicache_ratio, config.hicache_size)
-                     if config.enable_hierarchical_cache else None)
+        self.host = (
+            HostKVPool.for_device_pool(
+                self.runner.kv_cache,
+                self.runner.max_total_tokens,
+                config.hicache_ratio,
+                config.hicache_size,
+            )
+            if config.enable_hierarchical_cache
+            else None
+        )
         self.steps = 0  # forwards (and split-prefill slices) run
         self.forward_seconds = 0.0
         self._split = None  # the SPLIT_PREFILL batch whose slices are running

@@ -355,6 +355,23 @@ def _engine(model_dir: str, pool: int, cfg: HiCacheConfig | None, **kwargs) -> E
     return Engine(model_path=model_dir, max_total_tokens=pool, **fields, **kwargs)
 
 
+def test_overlap_caches_no_slot_the_launched_decode_still_writes(model_dirs):
+    """Under overlap the decode batch after a request's last token is launched before that token
+    is known, and takes a slot for it; the slot goes back to the pool instead of into the tree
+    (a host-tier backup would copy it before that forward has written it)."""
+    prompt = list(range(3, 43))
+    eng = _engine(model_dirs["llama"], 256, HiCacheConfig(enable_hierarchical_cache=True,
+                                                          hicache_write_policy="write_through"),
+                  enable_overlap_schedule=True)
+    out = eng.generate(input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=8, temperature=0,
+                                                                        ignore_eos=True))
+    assert eng.stats().overlapped_steps > 0
+    # The prompt and every output token but the last, whose KV no forward had written when it ended.
+    assert eng.scheduler.cache.snapshot() == [prompt + out.token_ids[:-1]]
+    eng.check_memory()
+    eng.shutdown()
+
+
 def _conversation(tenants: int = 3, prefix: int = 40, rounds: int = 3) -> list[list[int]]:
     heads = [[(7 * t + 3 * i) % 200 + 3 for i in range(prefix)] for t in range(tenants)]
     return [heads[t] + [5 + r, 9 + t] for r in range(rounds) for t in range(tenants)]

@@ -27,6 +27,7 @@ from engine.builtin_model import (
     write_checkpoint,
 )
 from engine.errors import ConfigError
+from engine.hicache.config import HiCacheConfig
 from engine.tp import TPGroup, rank_weight_bytes
 from kernels.quant import QuantLinear
 from tests.helpers import run_staggered, write_random_models
@@ -245,16 +246,22 @@ def test_host_tier_matches_one_rank(gang: Gang, models: dict[str, str], run: str
         got = tokens(tp)
         hicache = tp.stats().hicache
         tp.check_memory()  # every tier idle
+        with pytest.raises(ConfigError, match="tensor-parallel"):  # its ranks' host tiers follow it
+            tp.scheduler.cache.configure_cache(HiCacheConfig())
     finally:
         gang.stop(tp)
     assert got == want["tier"]
     assert hicache.host.hit_tokens >= 4 * 60, hicache  # the second round, from the host tier
 
 
-def test_tp_refuses_a_storage_tier(models: dict[str, str]) -> None:
+def test_tp_refuses_what_its_other_ranks_would_miss(models: dict[str, str]) -> None:
+    """Storage pages and prefill/decode KV transfers would carry rank 0's KV heads only."""
     with pytest.raises(ConfigError, match="hicache_storage_backend is not supported with tp_size > 1"):
         EngineConfig.from_kwargs(model_path=models["mqa"], device="cpu", tp_size=2, enable_hierarchical_cache=True,
                                  hicache_storage_backend="file", hicache_storage_path="/tmp/unused")
+    for mode in ("prefill", "decode"):
+        with pytest.raises(ConfigError, match="disaggregation_mode is not supported with tp_size > 1"):
+            EngineConfig.from_kwargs(model_path=models["mqa"], device="cpu", tp_size=2, disaggregation_mode=mode)
 
 
 def test_tp_needs_a_group(models: dict[str, str]) -> None:
