@@ -106,10 +106,8 @@ class HostKVPool:
     def apply_copies(self, kv_cache: KVCache, copies: list[HostCopy]) -> None:
         """Another rank's side of rank 0's copies: the same slots of this rank's pools, in order."""
         for kind, device_slots, host_slots in copies:
-            dev, host = (
-                torch.tensor(device_slots, dtype=torch.int64),
-                torch.tensor(host_slots, dtype=torch.int64),
-            )
+            dev = torch.tensor(device_slots, dtype=torch.int64)
+            host = torch.tensor(host_slots, dtype=torch.int64)
             if kind == BACKUP:
                 self.backup_from_device(kv_cache, dev, host)
             elif kind == LOAD:
@@ -147,9 +145,8 @@ class HostKVPool:
                     kv_cache.k[layer][index] = data[0, layer]
                     kv_cache.v[layer][index] = data[1, layer]
             stream.synchronize()  # the forward that reads them may run on any stream
-        self._logged(
-            LOAD, device_slots, host_slots
-        )  # (made: a failed copy is not repeated elsewhere)
+        # Logged once made: a failed copy is not repeated on the other ranks.
+        self._logged(LOAD, device_slots, host_slots)
         return staged.numel() * staged.element_size()
 
     def backup_from_device(

@@ -88,8 +88,8 @@ class TPGroup:
         self.device = torch.device(device)
         # Time waiting in the tensor collectives (the bench's split of a step; on CUDA only the
         # launch: NCCL's wait orders streams, it does not block the host; a replayed CUDA graph's
-        # collectives are not counted) and in the object
-        # broadcasts, kept apart because two threads update them.
+        # collectives are not counted) and in the object broadcasts, kept apart because two
+        # threads update them.
         self.collective_seconds, self.collective_calls = 0.0, 0
         self.object_seconds, self.object_calls = 0.0, 0
         self.pg: dist.ProcessGroup | None = None
